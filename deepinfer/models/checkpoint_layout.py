@@ -1,0 +1,30 @@
+"""Which official tensors are stored in which format.
+
+Official V4 checkpoints keep attention / shared-expert / MTP projections in FP8 e4m3
+with E8M0 block scales, routed experts in FP4 (packed e2m1, one E8M0 scale per 32
+inputs), and everything else (embedding, head, norms, router, compressors, indexer
+weights_proj, mHC parameters, sinks) unquantized.
+"""
+
+from __future__ import annotations
+
+import re
+
+_FP8 = re.compile(
+    r"(^|\.)(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]|e_proj|h_proj)\.weight$"
+)
+_FP4 = re.compile(r"(^|\.)ffn\.experts\.\d+\.w[123]\.weight$")
+
+
+def storage_format(name: str, expert_dtype: str | None) -> str:
+    """'fp8', 'fp4' or 'dense' for an official tensor name of a quantized checkpoint."""
+    if _FP4.search(name):
+        return "fp4" if expert_dtype in (None, "fp4") else ("fp8" if expert_dtype == "fp8" else "dense")
+    if _FP8.search(name):
+        return "fp8"
+    return "dense"
+
+
+def strip_prefix(name: str) -> str:
+    """Accept transformers-style `model.` prefixed names too."""
+    return name[len("model."):] if name.startswith("model.") else name

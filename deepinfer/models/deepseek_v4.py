@@ -1,0 +1,124 @@
+"""The DeepSeek-V4 model (reference path), parameter names = official checkpoint names.
+
+Tokens of several requests arrive flattened ([T]) with per-request metadata
+(`ForwardBatch`); the residual is `hc_mult` streams per token ([T, N, D]) mixed by mHC
+around every attention and MoE sublayer. `forward` returns the final streams;
+`compute_logits` collapses, normalises and projects only the rows that need logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import Attention, ForwardContext
+from .config import DeepseekV4Config
+from .kv_cache import ForwardBatch, KVCache
+from .linear import Linear
+from .mhc import hc_head, hc_post, hc_pre
+from .moe import MoE
+from .norm import RMSNorm
+from .rope import Rotary
+
+
+def _hc_params(module: nn.Module, prefix: str, n: int, hidden: int) -> None:
+    mix = (2 + n) * n
+    setattr(module, f"{prefix}_fn", nn.Parameter(torch.zeros(mix, n * hidden, dtype=torch.float32)))
+    setattr(module, f"{prefix}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
+    setattr(module, f"{prefix}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+
+
+class Block(nn.Module):
+    """One transformer layer (`layers.N.*`, or the body of an MTP stage)."""
+
+    def __init__(self, cfg: DeepseekV4Config, cache_id: int, ratio: int, is_hash: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        _hc_params(self, "hc_attn", cfg.hc_mult, cfg.hidden_size)
+        _hc_params(self, "hc_ffn", cfg.hc_mult, cfg.hidden_size)
+        self.attn = Attention(cfg, cache_id, ratio, dtype)
+        self.ffn = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
+                       cfg.n_shared_experts, is_hash, cfg.vocab_size, cfg.scoring_func, cfg.routed_scaling_factor,
+                       cfg.norm_topk_prob, cfg.swiglu_limit, dtype)
+
+    def forward(self, streams: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        cfg = self.cfg
+        post, comb, x = hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+                               cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        streams = hc_post(self.attn(self.attn_norm(x), ctx), streams, post, comb)
+        post, comb, x = hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
+                               cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        return hc_post(self.ffn(self.ffn_norm(x), ctx.batch.input_ids), streams, post, comb)
+
+
+class MTPStage(Block):
+    """A next-n prediction stage (`mtp.K.*`): a sliding-only block fed with
+    e_proj(enorm(embed(next token))) + h_proj(hnorm(previous streams)), per stream."""
+
+    def __init__(self, cfg: DeepseekV4Config, stage: int, dtype: torch.dtype) -> None:
+        super().__init__(cfg, cfg.num_hidden_layers + stage, 0, False, dtype)
+        h, n = cfg.hidden_size, cfg.hc_mult
+        self.e_proj = Linear(h, h, dtype)
+        self.h_proj = Linear(h, h, dtype)
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hc_head_fn = nn.Parameter(torch.zeros(n, n * h, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+
+class DeepseekV4Model(nn.Module):
+    """Embedding, layers, hyper-connection head, final norm, LM head and MTP stages."""
+
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        h, n = cfg.hidden_size, cfg.hc_mult
+        self.embed = nn.Embedding(cfg.vocab_size, h, dtype=dtype)
+        self.layers = nn.ModuleList(
+            Block(cfg, i, cfg.compress_ratios[i], cfg.is_hash_layer(i), dtype) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.head = Linear(h, cfg.vocab_size, dtype)
+        self.hc_head_fn = nn.Parameter(torch.zeros(n, n * h, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.mtp = nn.ModuleList(MTPStage(cfg, k, dtype) for k in range(len(cfg.mtp_compress_ratios)))
+        self.rotary_main = Rotary(cfg.qk_rope_head_dim, cfg.rope_theta)
+        self.rotary_compress = Rotary(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
+
+    def context(self, batch: ForwardBatch, cache: KVCache) -> ForwardContext:
+        return ForwardContext(batch, cache, self.rotary_main, self.rotary_compress)
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Run every layer over the flattened batch; returns the final streams [T, N, D]."""
+        ctx = self.context(batch, cache)
+        streams = self.embed(batch.input_ids).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
+        for layer in self.layers:
+            streams = layer(streams, ctx)
+        return streams
+
+    @torch.no_grad()
+    def compute_logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """Final streams of the rows that need logits [R, N, D] -> float32 logits [R, V]."""
+        cfg = self.cfg
+        x = hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.hc_eps, cfg.rms_norm_eps)
+        return self.head(self.norm(x)).float()
+
+    @torch.no_grad()
+    def mtp_forward(self, stage: int, prev_streams: torch.Tensor, batch: ForwardBatch, cache: KVCache
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP stage. `batch.input_ids` are the tokens one position ahead of the rows
+        of `prev_streams` (the previous stage's or the main model's final streams).
+        Returns (this stage's streams [T, N, D], float32 logits [T, V])."""
+        cfg, mtp = self.cfg, self.mtp[stage]
+        ctx = self.context(batch, cache)
+        e = mtp.e_proj(mtp.enorm(self.embed(batch.input_ids)))
+        streams = mtp.h_proj(mtp.hnorm(prev_streams)) + e.unsqueeze(1)
+        streams = mtp(streams, ctx)
+        x = hc_head(streams, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, cfg.hc_eps, cfg.rms_norm_eps)
+        return streams, self.head(mtp.norm(x)).float()

