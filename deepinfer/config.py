@@ -1,0 +1,282 @@
+"""Engine configuration assembled from ``LLM(...)`` kwargs and ``DEEPINFER_*`` env vars.
+
+``EngineConfig.from_kwargs(**kwargs)`` reads the environment strictly (booleans
+accept only 0/1/true/false, any unknown ``DEEPINFER_*`` variable is an error so
+typos are caught), lets kwargs override it, resolves derived defaults and
+validates every field. All problems raise :class:`~deepinfer.errors.ConfigError`
+naming the field or variable, the bad value and the allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deepinfer.errors import ConfigError, range_message
+
+__all__ = [
+    "EngineConfig",
+    "KNOWN_ENV_VARS",
+    "register_env_var",
+    "DTYPES",
+    "ACCELERATORS",
+    "DEFAULT_CPU_KV_CACHE_BYTES",
+    "DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS",
+    "detect_accelerator",
+]
+
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+ACCELERATORS: tuple[str, ...] = ("nvidia", "ascend", "cpu")
+#: KV cache byte budget on the CPU backend when ``kv_cache_memory_bytes`` is None.
+DEFAULT_CPU_KV_CACHE_BYTES: int = 2 * 1024**3
+#: ``max_num_batched_tokens`` default when chunked prefill is on.
+DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS: int = 8192
+_MAX_SEED = 2**64 - 1
+_BOOL_WORDS = {"0": False, "1": True, "true": True, "false": False}
+
+#: Every ``DEEPINFER_*`` variable the engine understands, with a description.
+KNOWN_ENV_VARS: dict[str, str] = {
+    "DEEPINFER_HF_MODEL_DIR": "local checkpoint directory, used when model is None",
+    "DEEPINFER_ACCELERATOR": "nvidia|ascend|cpu|auto (default: auto-detect)",
+    "DEEPINFER_BATCH_INVARIANT": "0|1|true|false: batch-invariant kernels",
+    "DEEPINFER_USE_NEXTN_DECODE": "int >= 0: max draft length (0 = speculation off)",
+    "DEEPINFER_ENABLE_MTP_VARLEN": "0|1|true|false: confidence-scheduled variable verification",
+}
+# env var -> EngineConfig field it sets
+_ENV_FIELDS: dict[str, str] = {
+    "DEEPINFER_HF_MODEL_DIR": "model",
+    "DEEPINFER_ACCELERATOR": "accelerator",
+    "DEEPINFER_BATCH_INVARIANT": "batch_invariant",
+    "DEEPINFER_USE_NEXTN_DECODE": "num_speculative_tokens",
+    "DEEPINFER_ENABLE_MTP_VARLEN": "enable_mtp_varlen",
+}
+
+
+def register_env_var(name: str, description: str) -> None:
+    """Declare another ``DEEPINFER_*`` variable (read elsewhere) as known."""
+    if not name.startswith("DEEPINFER_"):
+        raise ValueError(f"env var name must start with 'DEEPINFER_', got {name!r}")
+    KNOWN_ENV_VARS[name] = description
+
+
+def detect_accelerator() -> str:
+    """'nvidia' if CUDA is usable, else 'ascend' if torch_npu is, else 'cpu'."""
+    if torch.cuda.is_available():
+        return "nvidia"
+    npu = getattr(torch, "npu", None)
+    if npu is not None and npu.is_available():
+        return "ascend"
+    return "cpu"
+
+
+def _parse_env(name: str, raw: str) -> Any:
+    """Strictly parse the known env var ``name``; ConfigError on a bad value."""
+    def bad(allowed: str) -> ConfigError:
+        return ConfigError(f"environment variable {name}={raw!r} is invalid; allowed: {allowed}",
+                           field=name)
+
+    if name in ("DEEPINFER_BATCH_INVARIANT", "DEEPINFER_ENABLE_MTP_VARLEN"):
+        if raw.lower() not in _BOOL_WORDS:
+            raise bad("0, 1, true, false (case-insensitive)")
+        return _BOOL_WORDS[raw.lower()]
+    if name == "DEEPINFER_USE_NEXTN_DECODE":
+        if not (raw.isascii() and raw.isdigit()):
+            raise bad("an integer >= 0")
+        return int(raw)
+    if name == "DEEPINFER_ACCELERATOR":
+        if raw.lower() not in ACCELERATORS + ("auto",):
+            raise bad(", ".join(ACCELERATORS + ("auto",)) + " (case-insensitive)")
+        return raw.lower()
+    if not raw:
+        raise bad("a non-empty path")
+    return raw
+
+
+@dataclass
+class EngineConfig:
+    """All engine settings; see ``describe()`` for a table of the values in use.
+
+    ``None``/``"auto"`` values are resolved on construction: ``accelerator``
+    from the hardware, ``max_num_batched_tokens`` to 8192 with chunked prefill
+    (else to ``max_model_len`` once known, see :meth:`resolve_max_model_len`),
+    ``kv_cache_memory_bytes`` to ``DEFAULT_CPU_KV_CACHE_BYTES`` on CPU (GPUs
+    size the cache from ``gpu_memory_utilization``). ``tokenizer=None`` means
+    the model's own; ``max_model_len=None`` means the model's limit.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    block_size: int = 128
+    chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    expert_parallel_size: int = 1
+    data_parallel_size: int = 1
+    accelerator: str = "auto"
+    batch_invariant: bool = False
+    num_speculative_tokens: int = 0
+    enable_mtp_varlen: bool = False
+    async_scheduling: bool = False
+    #: field -> where its value came from ("default", "kwarg", "env VAR", "derived").
+    sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        """Normalise torch dtypes, resolve derived defaults, then ``validate()``."""
+        for name in ("model", "tokenizer"):
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        if isinstance(self.dtype, torch.dtype):
+            self.dtype = str(self.dtype).removeprefix("torch.")
+        if self.accelerator == "auto":
+            self.accelerator = detect_accelerator()
+            self.sources["accelerator"] = "derived"
+        if self.max_num_batched_tokens is None and self.chunked_prefill is True:
+            self.max_num_batched_tokens = DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS
+            self.sources["max_num_batched_tokens"] = "derived"
+        elif self.max_num_batched_tokens is None and self.max_model_len is not None:
+            self.max_num_batched_tokens = self.max_model_len
+            self.sources["max_num_batched_tokens"] = "derived"
+        if self.kv_cache_memory_bytes is None and self.accelerator == "cpu":
+            self.kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+            self.sources["kv_cache_memory_bytes"] = "derived"
+        self.validate()
+
+    @classmethod
+    def from_kwargs(cls, environ: Mapping[str, str] | None = None,
+                    **kwargs: Any) -> EngineConfig:
+        """Build from ``LLM(...)`` kwargs over ``DEEPINFER_*`` env vars.
+
+        Args:
+            environ: environment to read (default ``os.environ``).
+            **kwargs: any ``EngineConfig`` field; these override the environment.
+        """
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "sources"]
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            hints = {u: difflib.get_close_matches(u, names, n=1) for u in unknown}
+            hint = "; ".join(f"{u!r} (did you mean {h[0]!r}?)" for u, h in hints.items() if h)
+            raise ConfigError(f"unknown engine argument(s) {unknown}"
+                              + (f": {hint}" if hint else "") + f"; allowed: {names}")
+        env = os.environ if environ is None else environ
+        typos = sorted(k for k in env if k.startswith("DEEPINFER_") and k not in KNOWN_ENV_VARS)
+        if typos:
+            raise ConfigError(f"unknown environment variable(s) {typos}; "
+                              f"known DEEPINFER_* variables: {sorted(KNOWN_ENV_VARS)}")
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for var, fname in _ENV_FIELDS.items():
+            if var in env:
+                values[fname] = _parse_env(var, env[var])
+                sources[fname] = f"env {var}"
+        for fname, value in kwargs.items():
+            if fname == "model" and value is None and "model" in values:
+                continue  # model=None falls back to DEEPINFER_HF_MODEL_DIR
+            values[fname] = value
+            sources[fname] = "kwarg"
+        return cls(**values, sources=sources)
+
+    def validate(self) -> None:
+        """Check the type and range of every field; raise ConfigError on the first bad one."""
+        def fail(name: str, allowed: str, got: Any) -> None:
+            raise ConfigError(range_message(f"EngineConfig.{name}", allowed, got), field=name)
+
+        def check_int(name: str, lo: int, hi: int | None = None, optional: bool = False) -> None:
+            value = getattr(self, name)
+            allowed = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
+            if optional:
+                allowed = "None or " + allowed
+                if value is None:
+                    return
+            if (isinstance(value, bool) or not isinstance(value, int) or value < lo
+                    or (hi is not None and value > hi)):
+                fail(name, allowed, value)
+
+        for name in ("model", "tokenizer"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or value == ""):
+                fail(name, "None or a non-empty str path / hub id", value)
+        if self.dtype not in DTYPES:
+            fail("dtype", f"one of {list(DTYPES)}", self.dtype)
+        check_int("seed", 0, _MAX_SEED)
+        check_int("max_num_seqs", 1)
+        check_int("max_num_batched_tokens", 1, optional=True)
+        check_int("max_model_len", 1, optional=True)
+        gmu = self.gpu_memory_utilization
+        if (isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not math.isfinite(gmu)
+                or not 0 < gmu <= 1):
+            fail("gpu_memory_utilization", "a number in (0, 1]", gmu)
+        check_int("kv_cache_memory_bytes", 1, optional=True)
+        check_int("block_size", 1)
+        if self.block_size & (self.block_size - 1):
+            fail("block_size", "a power of two >= 1", self.block_size)
+        for name in ("chunked_prefill", "enable_prefix_caching", "batch_invariant",
+                     "enable_mtp_varlen", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "True or False", getattr(self, name))
+        check_int("expert_parallel_size", 1)
+        check_int("data_parallel_size", 1)
+        if self.accelerator not in ACCELERATORS:
+            fail("accelerator", f"one of {list(ACCELERATORS) + ['auto']}", self.accelerator)
+        check_int("num_speculative_tokens", 0)
+        if self.async_scheduling:
+            raise ConfigError("EngineConfig.async_scheduling=True is not implemented yet; "
+                              "allowed: False", field="async_scheduling")
+        if (not self.chunked_prefill and self.max_num_batched_tokens is not None
+                and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            fail("max_num_batched_tokens",
+                 f">= max_model_len={self.max_model_len} when chunked_prefill=False",
+                 self.max_num_batched_tokens)
+
+    def resolve_max_model_len(self, model_max_len: int) -> EngineConfig:
+        """Return a copy with ``max_model_len`` (and dependent defaults) filled in.
+
+        Args:
+            model_max_len: the model's own context limit; an explicit
+                ``max_model_len`` must not exceed it.
+        """
+        if self.max_model_len is not None and self.max_model_len > model_max_len:
+            raise ConfigError(range_message(
+                "EngineConfig.max_model_len", f"<= the model's limit {model_max_len}",
+                self.max_model_len), field="max_model_len")
+        sources = dict(self.sources)
+        length = self.max_model_len
+        if length is None:
+            length, sources["max_model_len"] = model_max_len, "derived"
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched, sources["max_num_batched_tokens"] = length, "derived"
+        return dataclasses.replace(self, max_model_len=length, max_num_batched_tokens=batched,
+                                   sources=sources)
+
+    @property
+    def deterministic(self) -> bool:
+        """True when outputs are reproducible across batch compositions."""
+        return self.batch_invariant and not self.enable_mtp_varlen
+
+    def to_dict(self) -> dict[str, Any]:
+        """Field values (without ``sources``) as a plain dict."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "sources"}
+
+    def describe(self) -> str:
+        """A fixed-width table of every field, its value and where it came from."""
+        rows = [("field", "value", "source")]
+        rows += [(k, repr(v), self.sources.get(k, "default")) for k, v in self.to_dict().items()]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "EngineConfig\n" + "\n".join(lines)

@@ -1,0 +1,177 @@
+"""Batched, batch-invariant token sampler.
+
+Pipeline for one step (all rows at once, no per-row Python loop):
+
+1. ``logits`` are cast to float32. Raw log-probs ``log_softmax(logits)`` are
+   what :class:`SamplerOutput` reports (like vLLM: model log-probs, *before*
+   temperature / top-k / top-p / min-p), also for greedy rows.
+2. Greedy rows (``temperature < 1e-5``): ``argmax`` of the raw logits, ties go
+   to the lowest token id.
+3. Random rows: ``z = logits / temperature``; then, in this order, top-k (per
+   row k, one stable descending sort shared with top-p), top-p (keep the
+   smallest prefix of the sorted distribution whose mass reaches ``top_p``;
+   the top token is always kept), min-p (drop tokens with
+   ``p < min_p * p_max``, i.e. ``exp(z - z_max) < min_p``; ratio-based, so it
+   is unaffected by the earlier masks). Filtered tokens get ``-inf``.
+4. Draw with the exponential (Gumbel-max) trick using the counter-based RNG:
+   ``token = argmax(z - log(E))``, ``E = -log(U)``,
+   ``U = rng.uniform(seed, position, SAMPLE, V)``.
+
+Every operation is elementwise or a reduction *within* a row, so a row's
+token and log-prob are bitwise identical whether it is sampled alone or in any
+batch, in any order; the noise depends only on ``(seq_seed, position)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.engine import rng
+from deepinfer.sampling_params import SamplingParams
+
+__all__ = ["SamplingTensors", "SamplerOutput", "Sampler"]
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of one batch, as device tensors.
+
+    Attributes:
+        temperature: float32 ``[R]``; 1.0 on greedy rows (never divides by ~0).
+        top_k: int64 ``[R]``; -1 means disabled.
+        top_p: float32 ``[R]``; 1.0 means disabled.
+        min_p: float32 ``[R]``; 0.0 means disabled.
+        seed: int64 ``[R]``; the ``seq_seed`` bits (uint64 stored as int64).
+        position: int64 ``[R]``; position of the token being sampled (the index
+            it will occupy in its sequence).
+        greedy: bool ``[R]``; rows decoded with argmax.
+        max_top_logprobs: host int, largest ``top_logprobs`` in the batch.
+        all_greedy, any_top_k, any_top_p, any_min_p: host flags used to skip
+            work that no row needs (skipping never changes any row's result).
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seed: torch.Tensor
+    position: torch.Tensor
+    greedy: torch.Tensor
+    max_top_logprobs: int
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], positions: Sequence[int],
+                    device: torch.device | str | None = None) -> SamplingTensors:
+        """Build the batch tensors from one ``SamplingParams`` and position per row."""
+        if len(params) != len(positions):
+            raise ValueError(f"params and positions must have equal length, got "
+                             f"{len(params)} and {len(positions)}")
+        if any(isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in positions):
+            raise ValueError(f"positions must be ints >= 0, got {list(positions)!r}")
+        greedy = [p.is_greedy for p in params]
+        assert all(p.seq_seed is not None for p in params)
+
+        def t(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature=t([1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                          torch.float32),
+            top_k=t([p.top_k for p in params], torch.int64),
+            top_p=t([p.top_p for p in params], torch.float32),
+            min_p=t([p.min_p for p in params], torch.float32),
+            seed=t([rng.seed_to_int64(p.seq_seed) for p in params], torch.int64),  # type: ignore[arg-type]
+            position=t(list(positions), torch.int64),
+            greedy=t(greedy, torch.bool),
+            max_top_logprobs=max((p.top_logprobs for p in params), default=0),
+            all_greedy=all(greedy),
+            any_top_k=any(p.top_k != -1 and not g for p, g in zip(params, greedy)),
+            any_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)),
+            any_min_p=any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)),
+        )
+
+    @property
+    def num_rows(self) -> int:
+        """Number of rows R in the batch."""
+        return int(self.temperature.shape[0])
+
+
+@dataclass
+class SamplerOutput:
+    """Result of :meth:`Sampler.sample`.
+
+    Attributes:
+        token_ids: int64 ``[R]`` sampled tokens.
+        logprobs: float32 ``[R]`` log-prob of each sampled token under the raw
+            model distribution ``log_softmax(logits)`` (vLLM semantics).
+        top_logprobs: ``(ids int64 [R, K], values float32 [R, K])`` of the K raw
+            log-probs per row, K = ``max_top_logprobs`` of the batch, sorted
+            descending (rows asking for fewer slice ``[:, :k]``); ``None`` when
+            no row asks for any.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None
+
+
+class Sampler:
+    """Stateless batched sampler; see the module docstring for the pipeline."""
+
+    def process_logits(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        """Temperature-scaled float32 logits with filtered tokens set to ``-inf``.
+
+        ``softmax`` of the result is the distribution random rows sample from
+        (useful for speculative verification). Greedy rows are scaled by 1.
+        """
+        z = logits.float() / params.temperature.unsqueeze(1)
+        neg_inf = float("-inf")
+        vocab = z.shape[1]
+        if params.any_top_k or params.any_top_p:
+            sorted_z, order = torch.sort(z, dim=-1, descending=True, stable=True)
+            rank = torch.arange(vocab, device=z.device).unsqueeze(0)
+            keep_sorted = torch.ones_like(sorted_z, dtype=torch.bool)
+            if params.any_top_k:
+                k = torch.where(params.top_k < 0, vocab, params.top_k.clamp(max=vocab))
+                keep_sorted = rank < k.unsqueeze(1)
+                sorted_z = sorted_z.masked_fill(~keep_sorted, neg_inf)
+            if params.any_top_p:
+                probs = torch.softmax(sorted_z, dim=-1)
+                mass_before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))
+                top_p = params.top_p.unsqueeze(1)
+                keep_sorted = keep_sorted & ((mass_before < top_p) | (top_p >= 1.0))
+            keep = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
+            z = z.masked_fill(~keep, neg_inf)
+        if params.any_min_p:
+            z_max = z.max(dim=-1, keepdim=True).values
+            z = z.masked_fill(torch.exp(z - z_max) < params.min_p.unsqueeze(1), neg_inf)
+        return z
+
+    def sample(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
+        """Sample one token per row of ``logits`` (float ``[R, V]``)."""
+        if logits.dim() != 2 or logits.shape[0] != params.num_rows:
+            raise ValueError(f"logits must be [R={params.num_rows}, V], got {tuple(logits.shape)}")
+        raw = logits.float()
+        raw_logprobs = torch.log_softmax(raw, dim=-1)
+        tokens = raw.argmax(dim=-1)
+        if not params.all_greedy:
+            z = self.process_logits(raw, params)
+            u = rng.uniform(params.seed, params.position, rng.SAMPLE, raw.shape[1])
+            # E = -log(U) ~ Exp(1); argmax(z - log E) ~ softmax(z). U == 0 gives
+            # E = inf, i.e. a score of -inf (never chosen), never NaN.
+            sampled = (z - torch.log(-torch.log(u))).argmax(dim=-1)
+            tokens = torch.where(params.greedy, tokens, sampled)
+        logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        top = None
+        k = min(params.max_top_logprobs, raw.shape[1])
+        if k > 0:
+            values, ids = torch.topk(raw_logprobs, k, dim=-1, largest=True, sorted=True)
+            top = (ids, values)
+        return SamplerOutput(token_ids=tokens, logprobs=logprobs, top_logprobs=top)
