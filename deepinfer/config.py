@@ -120,6 +120,8 @@ class EngineConfig:
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
+    #: Override the number of KV blocks per group (tests and memory-pressure experiments).
+    num_kv_blocks: int | None = None
     block_size: int = 128
     chunked_prefill: bool = True
     enable_prefix_caching: bool = True
@@ -219,6 +221,7 @@ class EngineConfig:
                 or not 0 < gmu <= 1):
             fail("gpu_memory_utilization", "a number in (0, 1]", gmu)
         check_int("kv_cache_memory_bytes", 1, optional=True)
+        check_int("num_kv_blocks", 1, optional=True)
         check_int("block_size", 1)
         if self.block_size & (self.block_size - 1):
             fail("block_size", "a power of two >= 1", self.block_size)

@@ -97,7 +97,9 @@ class KVCache:
         d, di = cfg.head_dim, cfg.index_head_dim
 
         def z(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=device)
+            # Uninitialised on purpose: every row is written before it is read (rings are
+            # reset on admission), and untouched pages of a large budget cost nothing.
+            return torch.empty(*shape, dtype=dtype, device=device)
 
         n_swa = cfg.num_hidden_layers + len(cfg.mtp_compress_ratios)
         self.swa = {i: z(num_blocks[GROUP_SWA], block_size, d) for i in range(n_swa)}

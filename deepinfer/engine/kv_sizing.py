@@ -1,0 +1,42 @@
+"""How many KV blocks fit: from gpu_memory_utilization on a GPU, from a byte budget on
+CPU, or an explicit override; never more than the longest possible load needs."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.config import EngineConfig
+from deepinfer.errors import ConfigError
+from deepinfer.models.config import DeepseekV4Config
+from deepinfer.models.kv_cache import block_bytes, group_names, slot_bytes
+
+
+def kv_budget_bytes(config: EngineConfig, device: torch.device, weights_bytes: int) -> int:
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_elsewhere = total - free
+        # Activations and the sampler need headroom; 10% of what is left, at least 1 GiB.
+        budget = int(total * config.gpu_memory_utilization) - used_elsewhere
+        return max(0, budget - max(1 << 30, budget // 10))
+    return int(config.kv_cache_memory_bytes)
+
+
+def num_kv_blocks(config: EngineConfig, model_cfg: DeepseekV4Config, dtype: torch.dtype, device: torch.device,
+                  max_model_len: int, weights_bytes: int = 0) -> dict[str, int]:
+    """Blocks per group (every group gets the same count: each logical token block of a
+    request takes one block in every group it is held in)."""
+    groups = group_names(model_cfg)
+    if config.num_kv_blocks is not None:
+        return {g: config.num_kv_blocks for g in groups}
+    per_block = sum(block_bytes(model_cfg, config.block_size, dtype).values())
+    budget = kv_budget_bytes(config, device, weights_bytes) - config.max_num_seqs * slot_bytes(model_cfg, dtype)
+    blocks = budget // per_block
+    needed = config.max_num_seqs * (-(-max_model_len // config.block_size))
+    blocks = min(blocks, needed)
+    min_blocks = -(-max_model_len // config.block_size)
+    if blocks < min_blocks:
+        raise ConfigError(
+            f"KV cache budget of {max(budget, 0)} bytes holds {max(blocks, 0)} blocks of {per_block} bytes, "
+            f"fewer than one max_model_len={max_model_len} request needs ({min_blocks}); raise "
+            "kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len", field="kv_cache_memory_bytes")
+    return {g: int(blocks) for g in groups}

@@ -1,0 +1,68 @@
+"""The device side of a step: SchedulerOutput -> flattened inputs -> model -> sampler
+-> ModelRunnerOutput.
+
+This is the reference (eager) runner used on CPU; the GPU fast path plugs in behind the
+same `execute` contract.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from deepinfer.engine.sampler import Sampler, SamplingTensors
+from deepinfer.models.deepseek_v4 import DeepseekV4Model
+from deepinfer.models.kv_cache import ForwardBatch, KVCache, SeqMeta
+
+
+class ModelRunner:
+    """Owns the model replica and its KV cache; stateless across steps apart from the
+    cache (the scheduler sends full block tables every step)."""
+
+    def __init__(self, model: DeepseekV4Model, cache: KVCache) -> None:
+        self.model, self.cache = model, cache
+        self.device = cache.swa[0].device
+        self.sampler = Sampler()
+
+    def build_batch(self, so: SchedulerOutput) -> ForwardBatch:
+        ids: list[int] = []
+        positions: list[int] = []
+        seqs: list[SeqMeta] = []
+        for req in so.scheduled:
+            seqs.append(SeqMeta(req.start_pos, req.num_tokens, len(ids), req.block_table, req.state_slot, req.is_new))
+            ids.extend(req.token_ids)
+            positions.extend(range(req.start_pos, req.start_pos + req.num_tokens))
+        return ForwardBatch(torch.tensor(ids, dtype=torch.long, device=self.device),
+                            torch.tensor(positions, dtype=torch.long, device=self.device), seqs)
+
+    @torch.no_grad()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. Every request whose chunk reaches its last known token samples
+        one token from the logits of its last row."""
+        req_ids = [r.req_id for r in so.scheduled]
+        sampled: list[list[int]] = [[] for _ in so.scheduled]
+        if not so.scheduled:
+            return ModelRunnerOutput(req_ids, sampled)
+        batch = self.build_batch(so)
+        streams = self.model(batch, self.cache)
+        picks = [i for i, r in enumerate(so.scheduled) if r.needs_sample]
+        logprobs: list[list[float]] = [[] for _ in so.scheduled]
+        tops: list[list[list[tuple[int, float]]]] = [[] for _ in so.scheduled]
+        any_top = any(so.scheduled[i].sampling_params.top_logprobs for i in picks)
+        if picks:
+            rows = torch.tensor([batch.seqs[i].offset + batch.seqs[i].length - 1 for i in picks], device=self.device)
+            logits = self.model.compute_logits(streams[rows])
+            reqs = [so.scheduled[i] for i in picks]
+            params = SamplingTensors.from_params([r.sampling_params for r in reqs],
+                                                 [r.start_pos + r.num_tokens for r in reqs], self.device)
+            out = self.sampler.sample(logits, params)
+            tokens, lps = out.token_ids.tolist(), out.logprobs.tolist()
+            top_ids = top_vals = None
+            if out.top_logprobs is not None:
+                top_ids, top_vals = out.top_logprobs[0].tolist(), out.top_logprobs[1].tolist()
+            for j, i in enumerate(picks):
+                sampled[i] = [tokens[j]]
+                logprobs[i] = [lps[j]]
+                k = so.scheduled[i].sampling_params.top_logprobs
+                tops[i] = [list(zip(top_ids[j][:k], top_vals[j][:k])) if k and top_ids is not None else []]
+        return ModelRunnerOutput(req_ids, sampled, logprobs, tops if any_top else None)

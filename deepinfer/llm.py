@@ -1,0 +1,172 @@
+"""`LLM`: offline inference over the engine, the interface DeepInfer users know.
+
+    from deepinfer import LLM, SamplingParams
+    llm = LLM()                                   # embedded default checkpoint
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from deepinfer.config import EngineConfig
+from deepinfer.detokenizer import IncrementalDetokenizer
+from deepinfer.engine.kv_cache_manager import HybridKVCacheManager, KVCacheGroupSpec
+from deepinfer.engine.kv_sizing import num_kv_blocks
+from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.request import Request
+from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer.errors import InvalidRequestError
+from deepinfer.models.kv_cache import GROUP_SWA, KVCache, group_names
+from deepinfer.models.loader import load_model
+from deepinfer.models.tiny import default_checkpoint_dir
+from deepinfer.outputs import RequestMetrics, RequestOutput
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.tokenizer import Tokenizer, load_tokenizer
+
+_DEVICES = {"cpu": "cpu", "nvidia": "cuda", "ascend": "npu"}
+
+
+class LLM:
+    """An engine instance: model, KV cache, scheduler and runner in one process."""
+
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, **kwargs: object) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **kwargs)
+        self.init_model()
+        self.init_tokenizer()
+        self.init_cache_and_scheduler()
+        self._ids = itertools.count()
+
+    # ---- construction ----------------------------------------------------------------
+    def init_model(self) -> None:
+        cfg = self.config
+        self.model_dir = cfg.model or default_checkpoint_dir()
+        self.device = torch.device(_DEVICES[cfg.accelerator])
+        torch.manual_seed(cfg.seed)
+        self.model = load_model(self.model_dir, dtype=cfg.dtype, device=str(self.device))
+        self.model_config = self.model.cfg
+        self.config = cfg.resolve_max_model_len(self.model_config.max_position_embeddings)
+
+    def init_tokenizer(self) -> None:
+        self.tokenizer: Tokenizer = load_tokenizer(self.config.tokenizer or self.model_dir)
+        self.eos_token_id = self.model_config.eos_token_id
+
+    def init_cache_and_scheduler(self) -> None:
+        cfg, mcfg = self.config, self.model_config
+        blocks = num_kv_blocks(cfg, mcfg, self.model.dtype, self.device, cfg.max_model_len)
+        self.kv_cache = KVCache(mcfg, blocks, cfg.block_size, cfg.max_num_seqs, self.model.dtype, self.device)
+        groups = [KVCacheGroupSpec(g, mcfg.sliding_window if g == GROUP_SWA else None) for g in group_names(mcfg)]
+        self.kv_manager = HybridKVCacheManager(groups, blocks, cfg.block_size, cfg.max_num_seqs,
+                                               cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, cfg.block_size,
+                            cfg.chunked_prefill, cfg.enable_prefix_caching),
+            self.kv_manager)
+        self.runner = ModelRunner(self.model, self.kv_cache)
+
+    # ---- requests ----------------------------------------------------------------------
+    def _prompts(self, prompts: str | Sequence[str] | None,
+                 prompt_token_ids: Sequence[Sequence[int]] | Sequence[int] | None) -> list[tuple[str | None, list[int]]]:
+        if (prompts is None) == (prompt_token_ids is None):
+            raise InvalidRequestError("generate() needs exactly one of prompts or prompt_token_ids")
+        if prompts is not None:
+            items = [prompts] if isinstance(prompts, str) else list(prompts)
+            for i, p in enumerate(items):
+                if not isinstance(p, str):
+                    raise InvalidRequestError(f"prompts[{i}] must be a str, got {type(p).__name__}")
+                if p == "":
+                    raise InvalidRequestError(f"prompts[{i}] is empty; a prompt needs at least one character")
+            return [(p, self.tokenizer.encode(p)) for p in items]
+        ids = list(prompt_token_ids)
+        if ids and all(isinstance(t, int) for t in ids):
+            ids = [ids]
+        vocab = self.model_config.vocab_size
+        out = []
+        for i, seq in enumerate(ids):
+            seq = list(seq)
+            if not seq:
+                raise InvalidRequestError(f"prompt_token_ids[{i}] is empty; a prompt needs at least one token")
+            bad = [t for t in seq if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt_token_ids[{i}] has token ids outside [0, {vocab}): {bad[:5]}")
+            out.append((None, seq))
+        return out
+
+    def _check_lengths(self, prompts: list[tuple[str | None, list[int]]]) -> None:
+        limit = self.config.max_model_len
+        for i, (_, ids) in enumerate(prompts):
+            if len(ids) >= limit:
+                raise InvalidRequestError(
+                    f"prompt {i} has {len(ids)} tokens; the model's context (max_model_len) is {limit}, "
+                    f"so prompts must have at most {limit - 1} tokens")
+
+    # ---- the main loop -----------------------------------------------------------------
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: Sequence[Sequence[int]] | Sequence[int] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+        Every input is validated before any request is queued, so a bad one raises a
+        clear InvalidRequestError and leaves the engine serving."""
+        items = self._prompts(prompts, prompt_token_ids)
+        if sampling_params is None:
+            params = [SamplingParams() for _ in items]
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise InvalidRequestError(
+                    f"got {len(params)} sampling_params for {len(items)} prompts; pass one or one per prompt")
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise InvalidRequestError("sampling_params must be SamplingParams objects")
+        self._check_lengths(items)
+        reqs, detoks = [], {}
+        for (text, ids), sp in zip(items, params):
+            req = Request(f"req-{next(self._ids)}", ids, sp, eos_token_id=self.eos_token_id)
+            self.scheduler.add_request(req)
+            reqs.append(req)
+            detoks[req.req_id] = IncrementalDetokenizer(self.tokenizer, ids, sp.skip_special_tokens, sp.stop,
+                                                        sp.include_stop_str_in_output)
+        bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm)
+        try:
+            while self.scheduler.has_unfinished():
+                self.step(detoks, bar)
+        except BaseException:
+            for req in reqs:  # never leave this call's requests behind in the engine
+                if not req.is_finished:
+                    self.scheduler.abort(req.req_id)
+            raise
+        finally:
+            bar.close()
+        return [self._output(text, req, detoks[req.req_id]) for (text, _), req in zip(items, reqs)]
+
+    def step(self, detoks: dict[str, IncrementalDetokenizer], bar: tqdm | None = None) -> None:
+        """One engine step: schedule -> execute -> update -> detokenize / stop strings."""
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched_out)
+        for req in self.scheduler.update(sched_out, runner_out):
+            detok = detoks.get(req.req_id)
+            if detok is not None and not detok.finished:
+                detok.update(req.output_token_ids[len(detok.token_ids):])
+                if detok.stopped_by is not None and not req.is_finished:
+                    self.scheduler.finish_request(req.req_id, "stop", stop_reason=detok.stopped_by)
+            if req.is_finished and bar is not None:
+                bar.update(1)
+
+    def _output(self, prompt: str | None, req: Request, detok: IncrementalDetokenizer) -> RequestOutput:
+        detok.finish()
+        sp = req.sampling_params
+        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                                 req.finished_time, req.num_prompt_tokens, req.num_cached_tokens,
+                                 req.num_output_tokens, req.num_preemptions)
+        return RequestOutput(
+            request_id=req.req_id, prompt=prompt, prompt_token_ids=list(req.prompt_token_ids), text=detok.text,
+            token_ids=list(req.output_token_ids), finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            seq_seed=sp.seq_seed, logprobs=list(req.output_logprobs) or None,
+            top_logprobs=list(req.output_top_logprobs) if sp.top_logprobs else None, metrics=metrics)
