@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Run the test suite in the project venv (bootstrapping it first).
+#
+#   bash scripts/test.sh                 # everything (tests/ and, later, notebooks)
+#   bash scripts/test.sh tests/test_x.py -k foo
+#
+# pytest's exit code 5 ("no tests collected") is a failure here: a run that
+# tests nothing must not look green.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV_DIR="${VENV_DIR:-$ROOT/.venv}"
+case "$VENV_DIR" in /*) ;; *) VENV_DIR="$PWD/$VENV_DIR" ;; esac
+export VENV_DIR
+cd "$ROOT"
+
+bash scripts/bootstrap.sh
+
+# What a bare `scripts/test.sh` runs.
+TARGETS=(tests)
+# Notebooks: once notebooks/*.ipynb run headless on CPU, add them here, e.g.
+#   TARGETS+=(--nbval-lax notebooks/)
+# (nbval comes with the `workbench` extra.)
+
+if [[ $# -eq 0 ]]; then
+    set -- "${TARGETS[@]}"
+fi
+
+rc=0
+"$VENV_DIR/bin/python" -m pytest -q "$@" || rc=$?
+if [[ $rc -eq 5 ]]; then
+    echo "test.sh: error: pytest collected no tests (exit code 5); treating as a failure" >&2
+    exit 1
+fi
+exit "$rc"
