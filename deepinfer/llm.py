@@ -80,7 +80,14 @@ class LLM:
                     raise InvalidRequestError(f"prompts[{i}] must be a str, got {type(p).__name__}")
                 if p == "":
                     raise InvalidRequestError(f"prompts[{i}] is empty; a prompt needs at least one character")
-            return [(p, self.tokenizer.encode(p)) for p in items]
+            encoded = [(p, self.tokenizer.encode(p)) for p in items]
+            vocab = self.model_config.vocab_size
+            for i, (_, ids) in enumerate(encoded):
+                if max(ids) >= vocab:
+                    raise InvalidRequestError(
+                        f"prompts[{i}] tokenizes to ids >= the model's vocab_size {vocab}; the tokenizer "
+                        f"({self.tokenizer.vocab_size} tokens) does not match this checkpoint")
+            return encoded
         ids = list(prompt_token_ids)
         if ids and all(isinstance(t, int) for t in ids):
             ids = [ids]
