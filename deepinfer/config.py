@@ -48,6 +48,8 @@ KNOWN_ENV_VARS: dict[str, str] = {
     "DEEPINFER_BATCH_INVARIANT": "0|1|true|false: batch-invariant kernels",
     "DEEPINFER_USE_NEXTN_DECODE": "int >= 0: max draft length (0 = speculation off)",
     "DEEPINFER_ENABLE_MTP_VARLEN": "0|1|true|false: confidence-scheduled variable verification",
+    "DEEPINFER_CPU_THREADS": "int >= 1: torch intra-op threads on CPU (default: 1 for small models)",
+    "DEEPINFER_CACHE_DIR": "where the embedded default checkpoint is written (default ~/.cache/deepinfer)",
 }
 # env var -> EngineConfig field it sets
 _ENV_FIELDS: dict[str, str] = {
@@ -56,6 +58,7 @@ _ENV_FIELDS: dict[str, str] = {
     "DEEPINFER_BATCH_INVARIANT": "batch_invariant",
     "DEEPINFER_USE_NEXTN_DECODE": "num_speculative_tokens",
     "DEEPINFER_ENABLE_MTP_VARLEN": "enable_mtp_varlen",
+    "DEEPINFER_CPU_THREADS": "cpu_threads",
 }
 
 
@@ -67,13 +70,13 @@ def register_env_var(name: str, description: str) -> None:
 
 
 def detect_accelerator() -> str:
-    """'nvidia' if CUDA is usable, else 'ascend' if torch_npu is, else 'cpu'."""
-    if torch.cuda.is_available():
-        return "nvidia"
-    npu = getattr(torch, "npu", None)
-    if npu is not None and npu.is_available():
-        return "ascend"
-    return "cpu"
+    """'nvidia' if CUDA is usable, else 'ascend' if torch_npu is, else 'cpu'.
+
+    Delegates to :func:`deepinfer.platform.detect_accelerator` (the one module that
+    touches devices; it never imports torch_npu without an Ascend install present).
+    """
+    from deepinfer.platform import detect_accelerator as platform_detect
+    return platform_detect()
 
 
 def _parse_env(name: str, raw: str) -> Any:
@@ -86,6 +89,10 @@ def _parse_env(name: str, raw: str) -> Any:
         if raw.lower() not in _BOOL_WORDS:
             raise bad("0, 1, true, false (case-insensitive)")
         return _BOOL_WORDS[raw.lower()]
+    if name == "DEEPINFER_CPU_THREADS":
+        if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
+            raise bad("an integer >= 1")
+        return int(raw)
     if name == "DEEPINFER_USE_NEXTN_DECODE":
         if not (raw.isascii() and raw.isdigit()):
             raise bad("an integer >= 0")
@@ -122,6 +129,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     #: Override the number of KV blocks per group (tests and memory-pressure experiments).
     num_kv_blocks: int | None = None
+    #: torch intra-op threads on CPU; None = 1 for small models (thread hand-offs cost more
+    #: than tiny matmuls gain, badly so on a loaded machine), torch's default otherwise.
+    cpu_threads: int | None = None
     block_size: int = 128
     chunked_prefill: bool = True
     enable_prefix_caching: bool = True
@@ -222,6 +232,7 @@ class EngineConfig:
             fail("gpu_memory_utilization", "a number in (0, 1]", gmu)
         check_int("kv_cache_memory_bytes", 1, optional=True)
         check_int("num_kv_blocks", 1, optional=True)
+        check_int("cpu_threads", 1, optional=True)
         check_int("block_size", 1)
         if self.block_size & (self.block_size - 1):
             fail("block_size", "a power of two >= 1", self.block_size)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 
 import torch
@@ -21,14 +22,16 @@ from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer.errors import InvalidRequestError
+from deepinfer.metrics import MetricsCollector
 from deepinfer.models.kv_cache import GROUP_SWA, KVCache, group_names
 from deepinfer.models.loader import load_model
 from deepinfer.models.tiny import default_checkpoint_dir
 from deepinfer.outputs import RequestMetrics, RequestOutput
+from deepinfer.platform import get_platform
+from deepinfer.profiling.markers import SCHEDULE, UPDATE, phase
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.structured.manager import StructuredOutputManager
 from deepinfer.tokenizer import Tokenizer, load_tokenizer
-
-_DEVICES = {"cpu": "cpu", "nvidia": "cuda", "ascend": "npu"}
 
 
 class LLM:
@@ -44,11 +47,17 @@ class LLM:
     # ---- construction ----------------------------------------------------------------
     def init_model(self) -> None:
         cfg = self.config
+        self.platform = get_platform(cfg.accelerator)  # fails fast: ConfigError names what is missing
+        self.device = self.platform.device()
         self.model_dir = cfg.model or default_checkpoint_dir()
-        self.device = torch.device(_DEVICES[cfg.accelerator])
         torch.manual_seed(cfg.seed)
         self.model = load_model(self.model_dir, dtype=cfg.dtype, device=str(self.device))
         self.model_config = self.model.cfg
+        if self.device.type == "cpu":
+            small = self.model_config.hidden_size <= 1024
+            threads = cfg.cpu_threads or (1 if small else None)
+            if threads is not None:
+                torch.set_num_threads(threads)
         self.config = cfg.resolve_max_model_len(self.model_config.max_position_embeddings)
 
     def init_tokenizer(self) -> None:
@@ -67,6 +76,10 @@ class LLM:
                             cfg.chunked_prefill, cfg.enable_prefix_caching),
             self.kv_manager)
         self.runner = ModelRunner(self.model, self.kv_cache)
+        # grammars compile in worker threads; xgrammar itself loads on the first constrained request
+        self.structured = StructuredOutputManager(self.tokenizer, mcfg.vocab_size, self.eos_token_id,
+                                                  self.device, cfg.max_num_seqs)
+        self.metrics = MetricsCollector(self.scheduler)  # host clocks only; see deepinfer/metrics.py
 
     # ---- requests ----------------------------------------------------------------------
     def _prompts(self, prompts: str | Sequence[str] | None,
@@ -133,16 +146,20 @@ class LLM:
         if not all(isinstance(p, SamplingParams) for p in params):
             raise InvalidRequestError("sampling_params must be SamplingParams objects")
         self._check_lengths(items)
+        self.structured.check(params)  # bad / unsupported grammars raise here, before anything is queued
         reqs, detoks = [], {}
         for (text, ids), sp in zip(items, params):
             req = Request(f"req-{next(self._ids)}", ids, sp, eos_token_id=self.eos_token_id)
-            self.scheduler.add_request(req)
+            if sp.structured_output is not None:
+                self.structured.add(req)  # joins the scheduler once its grammar is compiled
+            else:
+                self.scheduler.add_request(req)
             reqs.append(req)
             detoks[req.req_id] = IncrementalDetokenizer(self.tokenizer, ids, sp.skip_special_tokens, sp.stop,
                                                         sp.include_stop_str_in_output)
         bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm)
         try:
-            while self.scheduler.has_unfinished():
+            while self.scheduler.has_unfinished() or self.structured.has_pending():
                 self.step(detoks, bar)
         except BaseException:
             for req in reqs:  # never leave this call's requests behind in the engine
@@ -151,13 +168,28 @@ class LLM:
             raise
         finally:
             bar.close()
+            self.structured.release([r.req_id for r in reqs])
         return [self._output(text, req, detoks[req.req_id]) for (text, _), req in zip(items, reqs)]
+
+    def chat(self, messages, sampling_params=None, thinking: bool | None = None, tools=None,
+             use_tqdm: bool = True) -> list:
+        """Chat through deepseek-recipe: render conversations / OpenAI-style request dicts,
+        generate, and return parsed `deepinfer.chat.ChatOutput`s (content, reasoning, tool calls)."""
+        from deepinfer.chat import run_chat  # lazy: keeps `import deepinfer.llm` free of the recipe
+        return run_chat(self, messages, sampling_params, thinking=thinking, tools=tools, use_tqdm=use_tqdm)
 
     def step(self, detoks: dict[str, IncrementalDetokenizer], bar: tqdm | None = None) -> None:
         """One engine step: schedule -> execute -> update -> detokenize / stop strings."""
-        sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched_out)
-        for req in self.scheduler.update(sched_out, runner_out):
+        t_start = time.perf_counter()
+        self.structured.admit_ready(self.scheduler)
+        with phase(SCHEDULE):
+            sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched_out, grammar=self.structured.batch(sched_out))
+        with phase(UPDATE):
+            touched = self.scheduler.update(sched_out, runner_out)
+        for req in touched:
+            if self.structured.advance(req) and not req.is_finished:  # grammar done (EOS accepted)
+                self.scheduler.finish_request(req.req_id, "stop")
             detok = detoks.get(req.req_id)
             if detok is not None and not detok.finished:
                 detok.update(req.output_token_ids[len(detok.token_ids):])
@@ -165,6 +197,7 @@ class LLM:
                     self.scheduler.finish_request(req.req_id, "stop", stop_reason=detok.stopped_by)
             if req.is_finished and bar is not None:
                 bar.update(1)
+        self.metrics.record_step(sched_out, touched, t_start)
 
     def _output(self, prompt: str | None, req: Request, detok: IncrementalDetokenizer) -> RequestOutput:
         detok.finish()

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Tiny models: one intra-op thread is far faster than two fighting over small ops.
+torch.set_num_threads(1)
 
 
 @pytest.fixture
