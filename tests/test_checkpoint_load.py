@@ -147,3 +147,45 @@ def test_engine_never_imports_transformers():
             "assert 'transformers' not in sys.modules, 'engine imported transformers'")
     subprocess.run([sys.executable, "-c", code], check=True,
                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_mtp_stage_loads_and_predicts(tmp_path, fresh_seed):
+    write_tiny_checkpoint(str(tmp_path), seed=fresh_seed, cfg=tiny_config(**SMALL))
+    model = load_model(str(tmp_path), dtype="float32")
+    assert len(model.mtp) == 1 and model.mtp[0].e_proj.weight.abs().sum() > 0
+    runner = StandaloneRunner(model, 1, 300)
+    toks = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(fresh_seed))
+    from deepinfer.models.kv_cache import ForwardBatch, SeqMeta
+    batch = ForwardBatch(toks, torch.arange(40), [SeqMeta(0, 40, 0, runner._table(0), 0, True)])
+    streams = model(batch, runner.cache)
+    # MTP stage 0 reads the main streams at positions 0..38 and the tokens at 1..39.
+    mtp_batch = ForwardBatch(toks[1:], torch.arange(1, 40), [SeqMeta(0, 39, 0, runner._table(0), 0, True)])
+    mtp_streams, logits = model.mtp_forward(0, streams[:-1], mtp_batch, runner.cache)
+    assert logits.shape == (39, 256) and torch.isfinite(logits).all()
+    again = model.mtp_forward(0, streams[:-1], mtp_batch, runner.cache)[1]
+    assert torch.equal(logits, again)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_dspark_checkpoint_round_trip(tmp_path, quantize):
+    from deepinfer.models.tiny import tiny_dspark_config
+
+    cfg = tiny_dspark_config(**SMALL)
+    model = DeepseekV4Model(cfg, torch.float32)
+    init_random(model, 4)
+    save_checkpoint(model, str(tmp_path), quantize=quantize)
+    names = set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"])
+    for expected in ("mtp.0.main_proj.weight", "mtp.0.main_norm.weight", "mtp.2.norm.weight", "mtp.2.hc_head_fn",
+                     "mtp.2.markov_head.markov_w1.weight", "mtp.2.confidence_head.proj.weight",
+                     "mtp.1.attn.wkv.weight", "mtp.1.ffn.gate.bias"):
+        assert expected in names
+    assert "mtp.1.e_proj.weight" not in names
+    loaded = load_model(str(tmp_path), dtype="float32")
+    assert loaded.cfg.dspark_block_size == 5 and loaded.cfg.dspark_target_layer_ids == [1, 2, 3]
+    original = dict(model.named_parameters())
+    for name, p in loaded.named_parameters():
+        if quantize:
+            assert (p - original[name]).abs().max() <= original[name].abs().max() / 2 + 1e-6, name
+        else:
+            assert torch.equal(p, original[name]), name
+    assert loaded.mtp[2].markov_head.markov_w1.weight.shape == (256, 16)

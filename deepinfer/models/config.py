@@ -76,6 +76,15 @@ class DeepseekV4Config:
     fp8_block: tuple[int, int] | None = None
     expert_dtype: str | None = None
     model_type: str = "deepseek_v4"
+    # DSpark drafter (0731 release); dspark_block_size 0 = the checkpoint has plain MTP stages.
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: list[int] = field(default_factory=list)
+    dspark_markov_rank: int = 256
+
+    @property
+    def has_dspark(self) -> bool:
+        return self.dspark_block_size > 0
 
     # ---- derived views -------------------------------------------------------------
     def layer_ratio(self, layer: int) -> int:
@@ -244,6 +253,17 @@ class DeepseekV4Config:
             raise ModelConfigError(f"config.json bos/eos token ids must be in [0, vocab_size={self.vocab_size})")
         if self.fp8_block is not None and self.fp8_block not in ((128, 128), (32, 32)):
             raise ModelConfigError(f"quantization_config.weight_block_size must be [128,128] or [32,32], got {list(self.fp8_block)}")
+        if self.has_dspark:
+            n_all = self.num_hidden_layers + len(self.mtp_compress_ratios)
+            if not self.dspark_target_layer_ids or any(not 0 <= i < n_all for i in self.dspark_target_layer_ids):
+                raise ModelConfigError(
+                    f"config.json dspark_target_layer_ids must be non-empty layer ids in [0, {n_all}), "
+                    f"got {self.dspark_target_layer_ids}")
+            if not self.mtp_compress_ratios:
+                raise ModelConfigError("config.json: a DSpark checkpoint needs num_nextn_predict_layers >= 1")
+            if not 0 <= self.dspark_noise_token_id < self.vocab_size or self.dspark_markov_rank < 1:
+                raise ModelConfigError("config.json dspark_noise_token_id must be a token id and "
+                                       "dspark_markov_rank >= 1")
         if self.expert_dtype not in (None, "fp4", "fp8", "bf16"):
             raise ModelConfigError(f"config.json expert_dtype must be fp4, fp8 or bf16, got {self.expert_dtype!r}")
 
@@ -281,4 +301,8 @@ class DeepseekV4Config:
                                           "weight_block_size": list(self.fp8_block)}
         if self.expert_dtype is not None:
             out["expert_dtype"] = self.expert_dtype
+        if self.has_dspark:
+            out.update(dspark_block_size=self.dspark_block_size, dspark_noise_token_id=self.dspark_noise_token_id,
+                       dspark_target_layer_ids=list(self.dspark_target_layer_ids),
+                       dspark_markov_rank=self.dspark_markov_rank)
         return out

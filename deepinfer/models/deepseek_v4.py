@@ -86,7 +86,13 @@ class DeepseekV4Model(nn.Module):
         self.hc_head_fn = nn.Parameter(torch.zeros(n, n * h, dtype=torch.float32))
         self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
-        self.mtp = nn.ModuleList(MTPStage(cfg, k, dtype) for k in range(len(cfg.mtp_compress_ratios)))
+        n_stages = len(cfg.mtp_compress_ratios)
+        if cfg.has_dspark:
+            from .dspark import DSparkStage  # stages of the DSpark drafter instead of plain MTP
+
+            self.mtp = nn.ModuleList(DSparkStage(cfg, k, n_stages, dtype) for k in range(n_stages))
+        else:
+            self.mtp = nn.ModuleList(MTPStage(cfg, k, dtype) for k in range(n_stages))
         self.rotary_main = Rotary(cfg.qk_rope_head_dim, cfg.rope_theta)
         self.rotary_compress = Rotary(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
 

@@ -23,8 +23,6 @@ from .deepseek_v4 import DeepseekV4Model
 from .linear import Linear, QuantizedWeight
 from .quant import dequantize_fp4, dequantize_fp8_block, infer_block_size
 
-# DSpark drafter tensors of the 0731 release; kept aside for the speculative decoder.
-DSPARK_MARKERS = ("markov_head", "confidence_head", "main_proj", "main_norm")
 
 
 class CheckpointError(ValueError):
@@ -94,7 +92,7 @@ def _dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor | None, dty
 
 def load_weights(model: DeepseekV4Model, path: str, strict: bool = True, show_progress: bool = False) -> dict:
     """Copy every checkpoint tensor into `model`. Returns the tensors kept aside
-    (DSpark heads). Raises CheckpointError naming any missing / unexpected / misshapen tensor."""
+    (MTP stages the config does not ask for). Raises CheckpointError naming any missing / unexpected / misshapen tensor."""
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     owners = {name: mod for name, mod in model.named_modules()}
@@ -106,8 +104,8 @@ def load_weights(model: DeepseekV4Model, path: str, strict: bool = True, show_pr
         if name.endswith(".scale") and name[: -len("scale")] + "weight" in raw:
             continue  # consumed with its weight
         if name not in params:
-            if any(marker in name for marker in DSPARK_MARKERS) or name.startswith("mtp."):
-                extra[name] = tensor
+            if name.startswith("mtp.") and int(name.split(".")[1]) >= len(model.mtp):
+                extra[name] = tensor  # stages beyond num_nextn_predict_layers: kept, unused
                 continue
             if strict:
                 raise CheckpointError(f"unexpected tensor {name!r} in checkpoint (not part of the configured model)")

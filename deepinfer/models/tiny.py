@@ -48,6 +48,16 @@ def tiny_config(**overrides: object) -> DeepseekV4Config:
     return cfg
 
 
+def tiny_dspark_config(**overrides: object) -> DeepseekV4Config:
+    """deepinfer-tiny with a 3-stage DSpark drafter (block 5, Markov rank 16) instead of MTP."""
+    base = dict(num_nextn_predict_layers=3, mtp_compress_ratios=[0, 0, 0], dspark_block_size=5,
+                dspark_target_layer_ids=[1, 2, 3], dspark_markov_rank=16)
+    base.update(overrides)
+    vocab = int(base.get("vocab_size", 129280))
+    base.setdefault("dspark_noise_token_id", 128799 if vocab > 128799 else vocab - 2)
+    return tiny_config(**base)
+
+
 @torch.no_grad()
 def init_random(model: DeepseekV4Model, seed: int) -> None:
     """Fill every parameter from a seeded generator with values that exercise each path:
