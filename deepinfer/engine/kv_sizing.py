@@ -9,11 +9,12 @@ from deepinfer.config import EngineConfig
 from deepinfer.errors import ConfigError
 from deepinfer.models.config import DeepseekV4Config
 from deepinfer.models.kv_cache import block_bytes, group_names, slot_bytes
+from deepinfer.platform import platform_for_device
 
 
 def kv_budget_bytes(config: EngineConfig, device: torch.device, weights_bytes: int) -> int:
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
+    if device.type in ("cuda", "npu"):
+        free, total = platform_for_device(device).mem_get_info(device)
         used_elsewhere = total - free
         # Activations and the sampler need headroom; 10% of what is left, at least 1 GiB.
         budget = int(total * config.gpu_memory_utilization) - used_elsewhere
