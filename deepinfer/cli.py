@@ -69,10 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=_write_tiny)
     cfg = sub.add_parser("config", help="print the engine configuration resolved from the environment")
     cfg.set_defaults(func=_config)
+    # listed for --help only: main() hands `eval ...` to deepinfer.eval.cli before parsing
+    sub.add_parser("eval", help="offline benchmarks: `deepinfer eval generate|score` (see --help there)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "eval":  # `deepinfer eval ...` has its own parser
+        from deepinfer.eval.cli import main as eval_main
+        return eval_main(argv[1:])
     args = build_parser().parse_args(argv)
     from deepinfer.errors import DeepInferError
 

@@ -149,3 +149,18 @@ def test_cli_generate_runs_on_the_default_model():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count('"finish_reason": "length"') == 2
+
+
+def test_top_logprobs_are_reported(ckpt):
+    llm = make_llm(ckpt)
+    out = llm.generate(prompt_token_ids=[[4, 5, 6, 7]], use_tqdm=False,
+                       sampling_params=SamplingParams(temperature=0, max_tokens=5, top_logprobs=3))[0]
+    assert len(out.logprobs) == 5 and len(out.top_logprobs) == 5
+    for tok, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
+        assert len(top) == 3
+        values = [v for _, v in top]
+        assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+        assert top[0][0] == tok and top[0][1] == pytest.approx(lp)  # greedy: the top choice is the token
+    plain = llm.generate(prompt_token_ids=[[4, 5, 6, 7]], use_tqdm=False,
+                         sampling_params=SamplingParams(temperature=0, max_tokens=5))[0]
+    assert plain.top_logprobs is None and plain.token_ids == out.token_ids
