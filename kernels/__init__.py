@@ -1,0 +1,24 @@
+"""deepinfer_kernels: Triton kernels of the GPU fast path (issue 5), each module holding
+the kernel, its Python wrapper and a plain-torch ``*_ref`` of the same signature that
+reproduces deepinfer's model math (``deepinfer/models``).
+
+=====================  ===============================================================
+module                 wrapper(s)
+=====================  ===============================================================
+``rms_norm``           ``rms_norm(x, weight|None, eps, residual=None)``
+``rotary``             ``rotary(x, cos, sin | positions=, inv_freq=, inverse, inplace)``
+``router``             ``router(logits, bias, top_k, route_scale, normalize, func,
+                       tid2eid=None, input_ids=None) -> (weights, ids int32)``
+``moe_align``          ``moe_align(topk_ids, n_experts, block_m) -> MoEAlignment``
+``fused_moe``          ``fused_moe(x, w1, w3, w2, topk_weights, topk_ids, limit)``
+``decode_attention``   ``decode_attention(q, positions, swa_pool, swa_table, window, sink,
+                       comp_pool, comp_table, ratio, topk_idx, kv_chunk, max_keys)``
+``indexer_topk``       ``indexer_scores(...)``, ``indexer_topk(...) -> ids int32 (-1 = none)``
+=====================  ===============================================================
+
+Kernels take CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` is set before
+the modules are imported (the CPU tests do this). Importing this package imports
+neither triton nor torch; the submodules do.
+"""
+
+__all__ = ["decode_attention", "fused_moe", "indexer_topk", "moe_align", "rms_norm", "rotary", "router"]

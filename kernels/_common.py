@@ -1,0 +1,77 @@
+"""Helpers shared by deepinfer's Triton kernels.
+
+Two quirks of Triton's CPU interpreter (``TRITON_INTERPRET=1``, used by the CPU tests)
+are handled here so that every kernel computes the same numbers there as on a GPU:
+
+* its float32 -> bfloat16 cast truncates instead of rounding to nearest even, so
+  :func:`round_to` rounds with integer bit arithmetic when interpreting;
+* its ``tl.dot`` on bfloat16 operands multiplies the raw bit patterns, so :func:`mma`
+  upcasts the operands to float32 first when interpreting (bf16 x bf16 products are
+  exact in float32, so this matches the tensor cores' float32 accumulation).
+
+Kernels take ``INTERP: tl.constexpr`` (from :func:`interpreting`) and a dtype code
+(:func:`dtype_code`) instead of a ``tl.dtype`` so the same source compiles everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+#: Codes for the activation dtype passed to kernels as a constexpr.
+FP32, BF16, FP16 = 0, 1, 2
+_CODES = {torch.float32: FP32, torch.bfloat16: BF16, torch.float16: FP16}
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The constexpr code of a supported activation dtype."""
+    if dtype not in _CODES:
+        raise TypeError(f"unsupported dtype {dtype}; expected one of {list(_CODES)}")
+    return _CODES[dtype]
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """Kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
+    for t in tensors:
+        if not (t.is_cuda or interpreting()):
+            raise RuntimeError("deepinfer_kernels: CPU tensors need TRITON_INTERPRET=1 "
+                               "(use the *_ref functions on CPU otherwise)")
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (>= 1)."""
+    return triton.next_power_of_2(max(1, int(n)))
+
+
+@triton.jit
+def round_to(x, CODE: tl.constexpr, INTERP: tl.constexpr):
+    """Round float32 `x` to the dtype of CODE (nearest even) and return it as float32.
+    This is what torch does when an op's float32 result is stored in bf16/fp16."""
+    if CODE == 1:
+        if INTERP:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+            x = bits.to(tl.float32, bitcast=True)
+        else:
+            x = x.to(tl.bfloat16).to(tl.float32)
+    elif CODE == 2:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def mma(a, b, acc, INTERP: tl.constexpr):
+    """acc + a @ b with float32 accumulation (bf16/fp16 operands on tensor cores)."""
+    if INTERP:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
