@@ -1,0 +1,227 @@
+"""Reject what xgrammar would silently weaken, before anything compiles.
+
+xgrammar 0.2.x turns some JSON Schema keywords and regex constructs into a
+*larger* language with at most a log warning (probed one by one; see
+tests/test_structured_checks.py, which re-probes them so an xgrammar upgrade that
+starts enforcing one shows up). A constraint that is silently weakened produces
+output that parses but does not validate, so these are errors here, each naming
+the keyword and where it sits in the schema.
+
+Probed as enforced (allowed): type, enum, const, properties, required,
+additionalProperties, patternProperties, propertyNames, unevaluatedProperties,
+maxProperties, items (schema), prefixItems, unevaluatedItems, minItems, maxItems,
+minimum/maximum/exclusive* (integer and number), multipleOf (integer), minLength,
+maxLength, pattern, the formats in ``ENFORCED_FORMATS``, anyOf, local $ref.
+Probed as ignored (rejected): see ``_IGNORED`` and the conditional rules below.
+Formats were fuzzed against jsonschema's FormatChecker: several are only
+approximated (``APPROXIMATED_FORMATS``, rejected), and "date" is replaced by an
+exact calendar regex.
+
+Regexes (``regex`` specs and ``pattern``) follow Python ``re`` semantics for the
+checks users run afterwards: ``.`` is rewritten to ``[^\\n]`` (xgrammar lets it
+match a newline), and constructs xgrammar drops or misreads are rejected.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deepinfer.errors import InvalidRequestError
+
+__all__ = ["check_json_schema", "check_regex", "ENFORCED_FORMATS", "APPROXIMATED_FORMATS", "DATE_PATTERN"]
+
+#: "format" values whose xgrammar grammar admits only values jsonschema's FormatChecker
+#: accepts (fuzzed: random walks through each format's grammar, every result checked).
+ENFORCED_FORMATS = frozenset({"email", "duration", "uuid", "uri", "uri-reference", "json-pointer", "date"})
+#: Formats xgrammar only approximates (fuzzing found e.g. 2023-11-31 for date, 12:24:60 for
+#: time, 01.2.3.4 for ipv4, 70-character hostname labels): rejected, a "pattern" is exact.
+APPROXIMATED_FORMATS = frozenset({"time", "date-time", "ipv4", "ipv6", "hostname", "uri-template",
+                                  "relative-json-pointer"})
+#: "date" is compiled as this exact regex instead of xgrammar's date grammar (which allows
+#: day 31 in every month and Feb 29 in every year): Gregorian calendar, years 0001-9999,
+#: equal to datetime.date.fromisoformat on every YYYY-MM-DD string (tested exhaustively).
+_YEAR = r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9][0-9]|[0-9][1-9][0-9]{2}|[1-9][0-9]{3})"
+DATE_PATTERN = (r"^(?:" + _YEAR + r"-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
+                r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+                r"|(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)-02-29)$")
+#: Validation keywords xgrammar accepts but does not enforce.
+_IGNORED = ("contains", "minContains", "maxContains", "not", "if", "then", "else", "dependentRequired",
+            "dependentSchemas", "dependencies", "contentEncoding", "contentMediaType", "contentSchema",
+            "$dynamicRef", "$recursiveRef")
+_SUBSCHEMA = ("additionalProperties", "unevaluatedProperties", "propertyNames", "items", "unevaluatedItems",
+              "additionalItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+#: Letter escapes xgrammar's regex parser understands (others: literal letter or error).
+_LETTER_ESCAPES = frozenset("dDwWsSnrtfvxu")
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
+               type(None): "null"}
+
+
+def _err(where: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"SamplingParams.structured_output: {where}: {message}", field="structured_output")
+
+
+# ------------------------------------------------------------------------- regex
+def check_regex(regex: str, where: str = "regex") -> str:
+    """Return ``regex`` with ``.`` made newline-free; raise on unsupported syntax."""
+    out: list[str] = []
+    i, n, in_class = 0, len(regex), False
+    while i < n:
+        c = regex[i]
+        if c == "\\":
+            if i + 1 >= n:
+                raise _err(where, f"regex {regex!r} ends with a lone backslash")
+            e = regex[i + 1]
+            if (e.isascii() and e.isalpha() and e not in _LETTER_ESCAPES) or e in "123456789":
+                raise _err(where, f"regex escape '\\{e}' at position {i} is not supported by the grammar "
+                                  f"backend (word boundaries, \\A/\\Z, unicode classes and backreferences are not)")
+            out.append(regex[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            out.append(c)
+            # ']' right after '[' or '[^' is a literal, not the end of the class
+            j = i + 1 + (regex[i + 1:i + 2] == "^")
+            if regex[j:j + 1] == "]":
+                out.append(regex[i + 1:j + 1])
+                i = j + 1
+            else:
+                i += 1
+            continue
+        elif c == "(" and regex[i + 1:i + 2] == "?" and regex[i + 2:i + 3] != ":":
+            raise _err(where, f"regex group '{regex[i:i + 4]}...' at position {i} is not supported "
+                              f"(lookaround, named groups, inline flags and comments are not; '(?:' is)")
+        elif c == "^" and i != 0:
+            raise _err(where, f"regex anchor '^' at position {i} is only supported at the start")
+        elif c == "$" and i != n - 1:
+            raise _err(where, f"regex anchor '$' at position {i} is only supported at the end")
+        elif c == ".":
+            out.append("[^\\n]")  # Python's '.', not xgrammar's (which also matches '\n')
+            i += 1
+            continue
+        out.append(c)
+        i += 1
+    if in_class:
+        raise _err(where, f"regex {regex!r} has an unterminated character class")
+    return "".join(out)
+
+
+# ------------------------------------------------------------------- JSON schema
+def _types(schema: Any) -> set[str] | None:
+    """JSON types a subschema can match, when that is evident; None = unknown/any."""
+    if not isinstance(schema, dict):
+        return None
+    t = schema.get("type")
+    if isinstance(t, str):
+        found = {t}
+    elif isinstance(t, list):
+        found = set(t)
+    elif "const" in schema:
+        found = {_JSON_TYPES.get(type(schema["const"]), "?")}
+    elif isinstance(schema.get("enum"), list):
+        found = {_JSON_TYPES.get(type(v), "?") for v in schema["enum"]}
+    else:
+        return None
+    return found | {"number"} if "integer" in found else found  # every integer is a number
+
+
+def _consts(schema: Any, prop: str) -> list | None:
+    """The values property ``prop`` may take, when the subschema requires it and pins it."""
+    if not isinstance(schema, dict) or prop not in schema.get("required", []):
+        return None
+    sub = schema.get("properties", {}).get(prop)
+    if isinstance(sub, dict) and "const" in sub:
+        return [sub["const"]]
+    if isinstance(sub, dict) and isinstance(sub.get("enum"), list):
+        return list(sub["enum"])
+    return None
+
+
+def _provably_disjoint(a: Any, b: Any) -> bool:
+    ta, tb = _types(a), _types(b)
+    if ta is not None and tb is not None and not ta & tb:
+        return True
+    if isinstance(a, dict) and isinstance(b, dict):  # a required discriminator property
+        for prop in set(a.get("required", [])) & set(b.get("required", [])):
+            ca, cb = _consts(a, prop), _consts(b, prop)
+            if ca is not None and cb is not None and not any(x == y for x in ca for y in cb):
+                return True
+    return False
+
+
+def _check_keywords(schema: dict, where: str) -> None:
+    for key in _IGNORED:
+        if key in schema:
+            raise _err(where, f"JSON schema keyword {key!r} is not enforced by the grammar backend; "
+                              f"remove it or express the constraint with supported keywords")
+    if schema.get("uniqueItems") is True:
+        raise _err(where, "JSON schema keyword 'uniqueItems': true is not enforced by the grammar backend")
+    if "multipleOf" in schema and (schema.get("type") != "integer" or isinstance(schema["multipleOf"], float)):
+        raise _err(where, "JSON schema keyword 'multipleOf' is only enforced for type 'integer' with an "
+                          "integer divisor")
+    fmt = schema.get("format")
+    if fmt in APPROXIMATED_FORMATS:
+        raise _err(where, f"JSON schema format {fmt!r} is only approximated by the grammar backend (it admits "
+                          f"values a format checker rejects); use a 'pattern' instead. Exact formats: "
+                          f"{sorted(ENFORCED_FORMATS)}")
+    if fmt is not None and fmt not in ENFORCED_FORMATS:
+        raise _err(where, f"JSON schema format {fmt!r} is not enforced by the grammar backend; "
+                          f"supported formats: {sorted(ENFORCED_FORMATS)}")
+    if fmt == "date" and "pattern" in schema:
+        raise _err(where, "JSON schema 'format': 'date' together with 'pattern' is not supported "
+                          "(the date format is compiled as a pattern); keep one")
+    ref = schema.get("$ref")
+    if ref is not None and not (ref == "#" or str(ref).startswith("#/")):
+        raise _err(where, f"JSON schema $ref {ref!r}: only local references ('#/...') are supported")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        raise _err(where, "JSON schema 'allOf' with more than one subschema is not enforced by the grammar "
+                          "backend; merge the subschemas into one")
+    if isinstance(schema.get("items"), list):
+        raise _err(where, "JSON schema 'items' as a list (draft-07 tuples) is not supported; use 'prefixItems'")
+    branches = schema.get("oneOf")
+    if isinstance(branches, list):
+        for i in range(len(branches)):
+            for j in range(i + 1, len(branches)):
+                if not _provably_disjoint(branches[i], branches[j]):
+                    raise _err(where, f"JSON schema 'oneOf' branches {i} and {j} may overlap, and the grammar "
+                                      f"backend would enforce only anyOf; give branches distinct 'type's or a "
+                                      f"required 'const' discriminator property, or use 'anyOf'")
+
+
+def _walk(schema: Any, where: str) -> Any:
+    """Check one subschema and return a copy with its regexes rewritten."""
+    if isinstance(schema, bool):
+        return schema
+    if not isinstance(schema, dict):
+        raise _err(where, f"a JSON schema must be an object or a boolean, got {schema!r}")
+    _check_keywords(schema, where)
+    out = dict(schema)
+    if schema.get("format") == "date":  # exact calendar regex instead of xgrammar's approximation
+        del out["format"]
+        out["pattern"] = DATE_PATTERN
+    elif isinstance(schema.get("pattern"), str):
+        out["pattern"] = check_regex(schema["pattern"], f"{where}/pattern")
+    for key in _SUBSCHEMA:
+        if key in schema and not isinstance(schema[key], list):
+            out[key] = _walk(schema[key], f"{where}/{key}")
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            sub = {}
+            for name, value in schema[key].items():
+                new_name = check_regex(name, f"{where}/{key}") if key == "patternProperties" else name
+                sub[new_name] = _walk(value, f"{where}/{key}/{name}")
+            out[key] = sub
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            out[key] = [_walk(s, f"{where}/{key}/{i}") for i, s in enumerate(schema[key])]
+    return out
+
+
+def check_json_schema(schema: dict) -> dict:
+    """Raise InvalidRequestError naming the first unsupported construct (by JSON
+    pointer, e.g. ``schema/properties/tags``); else return the schema to compile."""
+    return _walk(schema, "schema")

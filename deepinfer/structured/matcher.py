@@ -1,0 +1,103 @@
+"""Per-request grammar state: trigger detection, the xgrammar matcher, rollback.
+
+Invariant: ``num_seen`` output tokens have been consumed, and for each of them
+``_accepted`` records whether the matcher took it (False for tokens before the
+trigger completed, and for the trigger tokens themselves). Rolling back ``n``
+tokens therefore rolls the matcher back by exactly the number it accepted among
+them, and switches the grammar off again if the trigger is rolled back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import xgrammar
+
+__all__ = ["GrammarViolation", "RequestGrammar"]
+
+
+class GrammarViolation(RuntimeError):
+    """A sampled token the grammar rejects: the mask was not applied (an engine bug)."""
+
+
+class RequestGrammar:
+    """Drives one request's ``xgrammar.GrammarMatcher`` from its output tokens."""
+
+    def __init__(self, compiled: xgrammar.CompiledGrammar, trigger: tuple[int, ...] | None = None) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.compiled = compiled
+        self.trigger = tuple(trigger) if trigger else None
+        self.matcher: xgrammar.GrammarMatcher | None = None if self.trigger else xgr.GrammarMatcher(compiled)
+        self.trigger_end: int | None = None if self.trigger else 0  # output index where the grammar starts
+        self.num_seen = 0
+        self._accepted: list[bool] = []
+        self._tail: list[int] = []  # the last len(trigger) tokens while waiting for it
+
+    # ------------------------------------------------------------------ state
+    @property
+    def active(self) -> bool:
+        """The grammar constrains the next token (trigger seen, not terminated)."""
+        return self.matcher is not None and not self.matcher.is_terminated()
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and accepted EOS: the output must end here."""
+        return self.matcher is not None and self.matcher.is_terminated()
+
+    @property
+    def is_completed(self) -> bool:
+        """The output so far is a complete match (EOS would be accepted)."""
+        return self.matcher is not None and self.matcher.is_completed()
+
+    # -------------------------------------------------------------- advancing
+    def advance(self, output_token_ids: Sequence[int]) -> None:
+        """Consume ``output_token_ids[num_seen:]`` (real sampled tokens only)."""
+        for token in output_token_ids[self.num_seen:]:
+            self.accept(int(token))
+
+    def accept(self, token: int) -> None:
+        """Feed one output token; raises GrammarViolation if the grammar rejects it."""
+        if self.matcher is None:
+            self._accepted.append(False)
+            self.num_seen += 1
+            self._tail = (self._tail + [token])[-len(self.trigger):]  # type: ignore[arg-type]
+            if tuple(self._tail) == self.trigger:  # grammar applies from the next token on
+                self.matcher = self._xgr.GrammarMatcher(self.compiled)
+                self.trigger_end = self.num_seen
+            return
+        if not self.matcher.accept_token(token):
+            raise GrammarViolation(
+                f"token {token} at output index {self.num_seen} is rejected by the grammar: the token "
+                f"bitmask was not applied to this request's logits (engine bug)")
+        self._accepted.append(True)
+        self.num_seen += 1
+
+    def rollback(self, num_tokens: int, output_token_ids: Sequence[int] | None = None) -> None:
+        """Forget the last ``num_tokens`` consumed tokens (rejected speculative drafts).
+
+        ``output_token_ids`` (the request's tokens *after* the rollback) is needed only
+        when the rollback crosses the trigger, to restore the trigger-detection tail.
+        """
+        if not 0 <= num_tokens <= self.num_seen:
+            raise ValueError(f"cannot roll back {num_tokens} tokens; {self.num_seen} were consumed")
+        if num_tokens == 0:
+            return
+        dropped = self._accepted[-num_tokens:]
+        del self._accepted[-num_tokens:]
+        self.num_seen -= num_tokens
+        if self.trigger_end is not None and self.trigger is not None and self.num_seen < self.trigger_end:
+            self.matcher, self.trigger_end = None, None  # the trigger itself was rolled back
+            if output_token_ids is None:
+                raise ValueError("rolling back across the trigger needs the remaining output_token_ids")
+            self._tail = list(output_token_ids[:self.num_seen][-len(self.trigger):])
+        elif self.matcher is not None and sum(dropped):
+            self.matcher.rollback(sum(dropped))
+
+    def fill(self, bitmask: object, row: int) -> None:
+        """Write the allowed-token bits for the next token into ``bitmask[row]``."""
+        assert self.matcher is not None
+        self.matcher.fill_next_token_bitmask(bitmask, row)
