@@ -1,0 +1,34 @@
+"""The JupyterLab workbench: ipywidgets panels over plotly FigureWidgets that rerun the
+engine when a control changes and update their figures in place.
+
+    from deepinfer.workbench import tiny_llm, BatchTuningPanel, TimelineViewer
+    llm = tiny_llm()              # the embedded random-weight model, float32, CPU friendly
+    BatchTuningPanel(llm)         # sliders -> latency/throughput point + step plot
+    TimelineViewer(llm)           # profiler trace of N steps as lanes + idle gaps
+
+Needs the ``workbench`` extra (jupyterlab, ipywidgets, anywidget, plotly >= 6, pandas).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from deepinfer.workbench.batch_tuning import BatchTuningPanel
+from deepinfer.workbench.timeline_viewer import TimelineViewer
+
+if TYPE_CHECKING:
+    from deepinfer.llm import LLM
+
+__all__ = ["BatchTuningPanel", "TimelineViewer", "tiny_llm", "TINY_ENGINE_KWARGS"]
+
+#: Engine settings that keep the tiny model quick on a laptop CPU.
+TINY_ENGINE_KWARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 16,
+                                      "max_num_batched_tokens": 512}
+
+
+def tiny_llm(model: str | None = None, **overrides: Any) -> LLM:
+    """An ``LLM`` with :data:`TINY_ENGINE_KWARGS` (overridable); ``model=None`` is the
+    embedded random-weight tiny checkpoint."""
+    from deepinfer.llm import LLM
+
+    return LLM(model, **{**TINY_ENGINE_KWARGS, **overrides})
