@@ -1,0 +1,124 @@
+"""Batch-invariant mode: the switch, its tile constants and the kernel dispatch table.
+
+In batch-invariant mode every reduction whose order could depend on the batch runs in
+a fixed order per token, so a token's hidden states, logits, log-probs and sampled
+token are bitwise identical whatever else shares its step (batch size, batch order,
+chunked-prefill boundaries, prefix-cache hits). It is what
+``DEEPINFER_BATCH_INVARIANT=1`` / ``LLM(batch_invariant=True)`` turns on; with a fixed
+``seq_seed`` (the sampler's counter-based RNG, :mod:`deepinfer.engine.rng`) a request
+replays exactly.
+
+The mode is a context variable, scoped explicitly::
+
+    from deepinfer.batch_invariant import batch_invariant_mode
+    with batch_invariant_mode(True):
+        logits = model.compute_logits(model(batch, cache))
+
+``ModelRunner.execute`` runs inside ``batch_invariant_mode(runner.batch_invariant)``
+(see :func:`scoped`), so two engines with different settings can share a process.
+
+How invariance is obtained (CPU, by construction; see
+:mod:`deepinfer.models.invariant_ops` and :mod:`deepinfer.models.invariant_attention`):
+
+* every GEMM runs at a fixed shape: rows in tiles of :data:`ROW_TILE` (the last tile
+  zero-padded), and, where the other operand's length depends on the step (the keys of
+  attention and of the indexer), its rows in blocks of :data:`KEY_BLOCK`;
+* reductions over a step-dependent length (attention's softmax denominator and its
+  weighted sum over keys) add fixed-size blocks one after another in a fixed order;
+* element-wise ops whose vectorised and scalar-tail CPU code paths disagree
+  (sigmoid, SiLU, softplus in float32) are written with ops that agree (exp, add, div).
+
+The GPU half plugs in through :func:`register_kernel`: a compiled kernel registered for
+``(op, device_type)`` replaces the torch reference for that op (names in :data:`OPS`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+__all__ = ["ROW_TILE", "KEY_BLOCK", "QUERY_TILE", "OPS", "enabled", "set_enabled", "batch_invariant_mode",
+           "scoped", "register_kernel", "get_kernel", "registered_kernels"]
+
+#: Rows per GEMM call in batch-invariant mode (activations are zero-padded to a multiple).
+ROW_TILE: int = 32
+#: Keys (compressed entries, indexer keys) per block of an attention / indexer reduction.
+KEY_BLOCK: int = 32
+#: Query rows per attention tile (zero-padded), so every attention GEMM has one shape.
+QUERY_TILE: int = 32
+
+#: Ops a compiled batch-invariant kernel may replace, with the contract each must keep.
+OPS: dict[str, str] = {
+    "linear": "(x [M, K], w [N, K]) -> [M, N]; row i never depends on M or on other rows",
+    "matmul_nt": "(a [M, K], b [N, K]) -> [M, N]; element (i, j) depends on neither M nor N",
+    "attention": "invariant_attention.attend(...) signature; one fixed key order per query",
+    "moe": "(moe module, x [T, D], input_ids [T]) -> [T, D]; fixed per-token combine order",
+}
+
+_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("deepinfer_batch_invariant", default=False)
+_KERNELS: dict[tuple[str, str], Callable[..., Any]] = {}
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def enabled() -> bool:
+    """True inside batch-invariant mode."""
+    return _ENABLED.get()
+
+
+def set_enabled(flag: bool) -> None:
+    """Switch the mode for the current context (prefer :func:`batch_invariant_mode`)."""
+    if not isinstance(flag, bool):
+        raise TypeError(f"batch-invariant flag must be a bool, got {flag!r}")
+    _ENABLED.set(flag)
+
+
+@contextlib.contextmanager
+def batch_invariant_mode(flag: bool = True) -> Iterator[None]:
+    """Run the enclosed code with the mode set to ``flag``; the previous value comes back."""
+    if not isinstance(flag, bool):
+        raise TypeError(f"batch-invariant flag must be a bool, got {flag!r}")
+    token = _ENABLED.set(flag)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+def scoped(method: F) -> F:
+    """Decorate a method of an object with a ``batch_invariant`` bool attribute: the
+    method runs inside ``batch_invariant_mode(self.batch_invariant)``."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with batch_invariant_mode(bool(getattr(self, "batch_invariant", False))):
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def register_kernel(op: str, device_type: str, fn: Callable[..., Any] | None) -> None:
+    """Make ``fn`` the batch-invariant implementation of ``op`` on ``device_type``
+    ("cuda", "npu", "cpu"); ``None`` removes it (back to the torch reference).
+
+    Compiled kernels in ``kernels/`` call this when imported on a machine that can run
+    them; they must keep the contract in :data:`OPS` (tests/test_batch_invariance.py
+    checks it bitwise for whatever is registered)."""
+    if op not in OPS:
+        raise KeyError(f"unknown batch-invariant op {op!r}; known: {sorted(OPS)}")
+    if fn is None:
+        _KERNELS.pop((op, device_type), None)
+    else:
+        _KERNELS[(op, device_type)] = fn
+
+
+def get_kernel(op: str, device_type: str) -> Callable[..., Any] | None:
+    """The registered kernel for ``op`` on ``device_type``, or None (torch reference)."""
+    return _KERNELS.get((op, device_type))
+
+
+def registered_kernels() -> dict[tuple[str, str], str]:
+    """(op, device type) -> qualified name of every registered kernel."""
+    return {k: getattr(v, "__qualname__", repr(v)) for k, v in _KERNELS.items()}
