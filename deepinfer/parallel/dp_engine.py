@@ -1,0 +1,272 @@
+"""``LLM(data_parallel_size=N, expert_parallel_size=N)``: the driver of N rank processes.
+
+The driver holds no model. It spawns one `RankLLM` per rank (see `launcher`), splits each
+generate() call's prompts across ranks (round robin, or by tokens), lets the ranks run
+their own schedulers in lockstep, and returns outputs in prompt order. Placement and
+EPLB are driven from here: `placement`, `set_placement`, `rebalance`, `expert_load`.
+
+Failures: a rank that dies raises `RankFailedError` at once (the driver watches every
+process) and shuts the group down; a rank stuck in a collective fails after the group's
+timeout (``DEEPINFER_DIST_TIMEOUT_S``) and its error is reported the same way. Input
+errors (bad prompts, placements) are raised as themselves and leave the engine serving.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import os
+import weakref
+from collections.abc import Sequence
+from multiprocessing.connection import wait
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError
+from deepinfer.llm import LLM
+from deepinfer.models.tiny import default_checkpoint_dir
+from deepinfer.outputs import RequestOutput
+from deepinfer.parallel.eplb import RebalanceReport
+from deepinfer.parallel.launcher import WorkerSpec, dist_timeout_s, find_free_port, split_kwargs, worker_main
+from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.parallel.rank_engine import PeerRejectedError
+from deepinfer.sampling_params import SamplingParams
+
+__all__ = ["DPLLM", "RankFailedError", "split_requests"]
+
+
+class RankFailedError(RuntimeError):
+    """A rank process died or failed mid-step; the engine is shut down."""
+
+
+def split_requests(lengths: Sequence[int], world: int, policy: str = "round_robin") -> list[list[int]]:
+    """Prompt indices per rank: ``round_robin`` (i % world) or ``tokens`` (longest first
+    onto the rank with the fewest tokens so far); each rank's list stays in prompt order."""
+    if policy == "round_robin":
+        return [list(range(r, len(lengths), world)) for r in range(world)]
+    if policy != "tokens":
+        raise ConfigError(f"dp_split must be 'round_robin' or 'tokens', got {policy!r}", field="dp_split")
+    load, shares = [0] * world, [[] for _ in range(world)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        shares[r].append(i)
+        load[r] += lengths[i]
+    return [sorted(s) for s in shares]
+
+
+def _context() -> Any:
+    """A forkserver that imports torch and the engine once, so N ranks start in about the
+    time of one import (a clean fork of a thread-free server; CUDA is never touched there).
+    Falls back to spawn where forkserver does not exist."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # torch._dynamo: model construction imports it lazily (about 3 s per process otherwise)
+    ctx.set_forkserver_preload(["torch._dynamo", "deepinfer.parallel.rank_engine", "deepinfer.parallel.launcher"])
+    return ctx
+
+
+def _shutdown(procs: list[Any], conns: list[Any]) -> None:
+    for conn in conns:
+        try:
+            conn.send(("shutdown", None))
+        except (OSError, ValueError):
+            pass
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+    for conn in conns:
+        conn.close()
+
+
+class DPLLM(LLM):
+    """Data-parallel attention + expert-parallel MoE over spawned rank processes."""
+
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, *, dp_split: str = "round_robin",
+                 **kwargs: Any) -> None:
+        dp, ep = int(kwargs.get("data_parallel_size", 1)), int(kwargs.get("expert_parallel_size", 1))
+        world = max(dp, ep)
+        if dp not in (1, world) or ep not in (1, world):
+            raise ConfigError(f"data_parallel_size={dp} and expert_parallel_size={ep}: the ranks are shared, so "
+                              f"each must be 1 or {world} (DP attention ranks = EP ranks)", field="expert_parallel_size")
+        split_requests([], 1, dp_split)  # validates dp_split
+        self.world_size, self.dp_split, self.data_parallel_size = world, dp_split, dp
+        self._ids = itertools.count()
+        self._tokenizer = None
+        accelerator = str(kwargs.get("accelerator", "auto"))
+        if accelerator == "auto":
+            from deepinfer.config import detect_accelerator
+            accelerator = detect_accelerator()
+        kw = dict(kwargs)
+        if isinstance(kw.get("placement"), ExpertPlacement):
+            kw["placement"] = kw["placement"].to_dict()
+        split_kwargs(kw)  # bad EPLB settings / placements fail here, before any process starts
+        model = model or os.environ.get("DEEPINFER_HF_MODEL_DIR") or default_checkpoint_dir()
+        spec = WorkerSpec(model, tokenizer, world, find_free_port(), accelerator, dist_timeout_s(), ep > 1, kw)
+        ctx = _context()
+        self._procs, self._conns = [], []
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(rank, spec, child), daemon=True, name=f"deepinfer-rank{rank}")
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns)
+        self._collect("start")
+        info = self._call("info", ranks=[0])[0]
+        self.config, self.model_config, self.model_dir = info["config"], info["model_config"], info["model_dir"]
+        self.eos_token_id = self.model_config.eos_token_id
+
+    # ---- plumbing ----------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+    def shutdown(self) -> None:
+        """Stop every rank process (idempotent)."""
+        self._finalizer()
+
+    close = shutdown
+
+    def __enter__(self) -> DPLLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def _call(self, cmd: str, payloads: list[Any] | Any = None, ranks: list[int] | None = None) -> list[Any]:
+        """Send ``cmd`` to ``ranks`` (default all; a list of payloads = one per rank) and
+        return their results in rank order."""
+        if not self.alive:
+            raise RankFailedError("this engine was shut down (a rank failed, or shutdown() was called); create a "
+                                  "new LLM")
+        ranks = list(range(self.world_size)) if ranks is None else ranks
+        for i, r in enumerate(ranks):
+            try:
+                self._conns[r].send((cmd, payloads[i] if isinstance(payloads, list) else payloads))
+            except OSError:  # broken pipe: the rank is gone
+                self._procs[r].join(timeout=5)
+                self._rank_died(r, cmd, {})
+        return self._collect(cmd, ranks)
+
+    def _collect(self, cmd: str, ranks: list[int] | None = None) -> list[Any]:
+        ranks = list(range(self.world_size)) if ranks is None else ranks
+        replies: dict[int, tuple[str, Any]] = {}
+        pending = set(ranks)
+        while pending:
+            waitables = {self._conns[r]: r for r in pending} | {self._procs[r].sentinel: r for r in pending}
+            for obj in wait(list(waitables)):
+                r = waitables[obj]
+                if r not in pending:
+                    continue
+                try:
+                    if self._conns[r].poll():
+                        replies[r] = self._conns[r].recv()
+                        pending.discard(r)
+                        continue
+                except (EOFError, OSError):  # the pipe closed: the process is going away
+                    self._procs[r].join(timeout=5)
+                if not self._procs[r].is_alive():
+                    self._rank_died(r, cmd, replies)
+        errors = {r: v for r, (status, v) in replies.items() if status == "error"}
+        if errors:
+            clean = all(isinstance(exc, DeepInferError) for exc, _ in errors.values())
+            first = next((exc for exc, _ in errors.values() if not isinstance(exc, PeerRejectedError)),
+                         next(iter(errors.values()))[0])
+            if clean and cmd != "start":
+                raise first  # input errors: nothing ran, the engine keeps serving
+            self.shutdown()
+            if clean:
+                raise first
+            detail = "\n".join(f"--- rank {r}: {type(e).__name__}: {e}\n{tb}" for r, (e, tb) in sorted(errors.items()))
+            raise RankFailedError(f"{len(errors)} rank(s) failed during {cmd!r}; the engine is shut down\n{detail}")
+        return [replies[r][1] for r in ranks]
+
+    def _rank_died(self, rank: int, cmd: str, replies: dict[int, tuple[str, Any]]) -> None:
+        proc = self._procs[rank]
+        notes = "; ".join(f"rank {q}: {type(v[0]).__name__}: {v[0]}" for q, (s, v) in replies.items() if s == "error")
+        self.shutdown()
+        raise RankFailedError(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} during {cmd!r}; the "
+                              f"engine is shut down" + (f" ({notes})" if notes else ""))
+
+    # ---- LLM interface -----------------------------------------------------------------
+    @property
+    def tokenizer(self):  # noqa: ANN201 - the driver loads its own copy, on first use
+        if self._tokenizer is None:
+            from deepinfer.tokenizer import load_tokenizer
+            self._tokenizer = load_tokenizer(self.config.tokenizer or self.model_dir)
+        return self._tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: Sequence[Sequence[int]] | Sequence[int] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """`LLM.generate` across the ranks; outputs in prompt order."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise InvalidRequestError("generate() needs exactly one of prompts or prompt_token_ids")
+        if prompts is not None:
+            key, items = "prompts", [prompts] if isinstance(prompts, str) else list(prompts)
+        else:
+            ids = list(prompt_token_ids)
+            key, items = "prompt_token_ids", [ids] if ids and all(isinstance(t, int) for t in ids) else ids
+        if sampling_params is None:
+            params = [SamplingParams() for _ in items]
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise InvalidRequestError(
+                    f"got {len(params)} sampling_params for {len(items)} prompts; pass one or one per prompt")
+        lengths = [len(x) if hasattr(x, "__len__") else 1 for x in items]
+        shares = split_requests(lengths, self.world_size if self.data_parallel_size > 1 else 1, self.dp_split)
+        shares += [[] for _ in range(self.world_size - len(shares))]
+        payloads = [{key: [items[i] for i in idx], "sampling_params": [params[i] for i in idx]} for idx in shares]
+        with tqdm(total=len(items), desc="generate", disable=not use_tqdm) as bar:
+            results = self._call("generate", payloads)
+            bar.update(len(items))
+        outputs: list[RequestOutput | None] = [None] * len(items)
+        for idx, outs in zip(shares, results):
+            for i, out in zip(idx, outs):
+                outputs[i] = out
+        for out in outputs:
+            out.request_id = f"req-{next(self._ids)}"
+        return outputs  # type: ignore[return-value]
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("the data-parallel driver steps its ranks inside generate(); there is no "
+                                  "driver-side step()")
+
+    # ---- placement and EPLB --------------------------------------------------------------
+    @property
+    def placement(self) -> ExpertPlacement:
+        """The expert placement in use (logical expert -> physical slots per rank)."""
+        return ExpertPlacement.from_dict(self._call("placement", ranks=[0])[0])
+
+    def set_placement(self, placement: ExpertPlacement) -> RebalanceReport:
+        """Adopt a hand-made placement now, moving expert weights between ranks in place."""
+        if not isinstance(placement, ExpertPlacement):
+            raise InvalidRequestError(f"set_placement needs an ExpertPlacement, got {type(placement).__name__}")
+        return self._call("rebalance", placement.to_dict())[0]
+
+    def rebalance(self) -> RebalanceReport:
+        """Run the EPLB policy on the recorded window now and move the weights."""
+        return self._call("rebalance", None)[0]
+
+    def expert_load(self) -> dict[str, Any]:
+        """The recorded window, summed over ranks: ``physical`` [steps, layers, slots],
+        ``logical`` [steps, layers, experts], ``rank`` [steps, layers, ranks] (numpy),
+        plus the ``placement`` it was recorded under and ``total_steps``."""
+        data = self._call("load")[0]
+        placement = ExpertPlacement.from_dict(data["placement"])
+        phys = np.asarray(data["physical"])
+        rank = phys.reshape(phys.shape[0], phys.shape[1], placement.num_ranks, placement.slots_per_rank).sum(axis=3)
+        return {**data, "placement": placement, "rank": rank}
+
+    def rebalance_reports(self) -> list[RebalanceReport]:
+        return self._call("reports", ranks=[0])[0]

@@ -1,0 +1,179 @@
+"""Process groups for the parallel engine: spawned workers and ``torchrun``.
+
+Spawned (``LLM(data_parallel_size=N, expert_parallel_size=N)``): the driver starts N
+processes running :func:`worker_main`; each joins a TCP-rendezvous group (NCCL on GPUs,
+gloo on CPU) with a collective timeout, builds a `RankLLM` and serves commands from its
+pipe until told to stop. Every reply is ``("ok", result)`` or ``("error", (exc, tb))``.
+
+torchrun: each process calls :func:`rank_llm_from_torchrun` and then
+``llm.generate_rank(...)`` with its own prompts (every rank the same number of times)::
+
+    torchrun --nproc-per-node 2 my_script.py
+    # my_script.py
+    from deepinfer.parallel.launcher import rank_llm_from_torchrun
+    llm = rank_llm_from_torchrun("path/to/ckpt", num_redundant_experts=2)
+    outs = llm.generate_rank(prompt_token_ids=my_prompts, sampling_params=my_params)
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.config import detect_accelerator
+from deepinfer.errors import ConfigError
+from deepinfer.parallel.comm import EPComm
+from deepinfer.parallel.eplb import EPLBConfig
+from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.platform import get_platform
+
+__all__ = ["WorkerSpec", "dist_timeout_s", "find_free_port", "init_distributed", "rank_llm_from_torchrun",
+           "split_kwargs", "worker_main"]
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def dist_timeout_s(environ: dict[str, str] | None = None) -> float:
+    """``DEEPINFER_DIST_TIMEOUT_S`` (seconds a collective waits for a peer), default 120."""
+    env = os.environ if environ is None else environ
+    raw = env.get("DEEPINFER_DIST_TIMEOUT_S")
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"environment variable DEEPINFER_DIST_TIMEOUT_S={raw!r} must be a number of seconds > 0",
+                          field="DEEPINFER_DIST_TIMEOUT_S")
+    return value
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(rank: int, world_size: int, init_method: str | None, accelerator: str,
+                     timeout_s: float, local_rank: int | None = None) -> EPComm:
+    """Select this rank's device, join the default process group, return its `EPComm`."""
+    platform = get_platform(accelerator)
+    if platform.device_type != "cpu":
+        platform.set_device((rank if local_rank is None else local_rank) % max(1, platform.device_count()))
+    kwargs: dict[str, Any] = {"backend": platform.dist_backend, "rank": rank, "world_size": world_size,
+                              "timeout": datetime.timedelta(seconds=timeout_s)}
+    if init_method is not None:
+        kwargs["init_method"] = init_method
+    dist.init_process_group(**kwargs)
+    return EPComm()
+
+
+def split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], EPLBConfig, ExpertPlacement | None]:
+    """Pull the EPLB kwargs (num_redundant_experts, eplb_*) and placement out of LLM kwargs."""
+    kw = dict(kwargs)
+    eplb = EPLBConfig.from_env(
+        num_redundant_experts=kw.pop("num_redundant_experts", None),
+        rebalance_interval=kw.pop("eplb_rebalance_interval", None),
+        window_size=kw.pop("eplb_window_size", None), policy=kw.pop("eplb_policy", None),
+        num_groups=kw.pop("eplb_num_groups", None), num_nodes=kw.pop("eplb_num_nodes", None))
+    placement = kw.pop("placement", None)
+    if isinstance(placement, dict):
+        placement = ExpertPlacement.from_dict(placement)
+    return kw, eplb, placement
+
+
+def rank_llm_from_torchrun(model: str | None = None, tokenizer: str | None = None, **kwargs: Any):
+    """Build this process's `RankLLM` under torchrun (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_*)."""
+    from deepinfer.parallel.rank_engine import RankLLM
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    accelerator = str(kwargs.get("accelerator") or os.environ.get("DEEPINFER_ACCELERATOR") or detect_accelerator())
+    comm = init_distributed(rank, world, None, accelerator, dist_timeout_s(), int(os.environ.get("LOCAL_RANK", rank)))
+    kw, eplb, placement = split_kwargs(kwargs)
+    kw.setdefault("data_parallel_size", world)
+    kw.setdefault("expert_parallel_size", world)
+    return RankLLM(model, tokenizer, comm=comm, expert_parallel=kw["expert_parallel_size"] > 1, eplb=eplb,
+                   placement=placement, **kw)
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a spawned worker needs (picklable)."""
+
+    model: str
+    tokenizer: str | None
+    world_size: int
+    port: int
+    accelerator: str
+    timeout_s: float
+    expert_parallel: bool
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _handle(engine: Any, cmd: str, payload: Any) -> Any:
+    if cmd == "generate":
+        return engine.generate_rank(payload.get("prompts"), payload["sampling_params"],
+                                    payload.get("prompt_token_ids"), use_tqdm=False)
+    if cmd == "info":
+        return {"config": engine.config, "model_config": engine.model_config, "model_dir": engine.model_dir,
+                "placement": engine.eplb.placement.to_dict() if engine.eplb else None}
+    if engine.eplb is None:
+        raise ConfigError(f"{cmd!r} needs expert parallelism (expert_parallel_size > 1)")
+    if cmd == "placement":
+        return engine.eplb.placement.to_dict()
+    if cmd == "rebalance":
+        placement = None if payload is None else engine.eplb.check(ExpertPlacement.from_dict(payload))
+        return engine.eplb.rebalance(placement)
+    if cmd == "load":
+        physical = engine.eplb.physical_window()
+        return {"physical": physical.numpy(), "logical": engine.eplb.logical_window(physical),
+                "placement": engine.eplb.placement.to_dict(), "total_steps": engine.eplb.total_steps}
+    if cmd == "reports":
+        return list(engine.eplb.reports)
+    raise ValueError(f"unknown worker command {cmd!r}")
+
+
+def worker_main(rank: int, spec: WorkerSpec, conn: Any) -> None:
+    """Entry point of a spawned rank: join the group, build the engine, serve commands."""
+    from deepinfer.parallel.rank_engine import RankLLM
+
+    def reply(status: str, value: Any) -> None:
+        try:
+            conn.send((status, value))
+        except Exception:  # an unpicklable exception: send its text
+            conn.send(("error", (RuntimeError(repr(value[0] if status == "error" else value)), "")))
+
+    try:
+        if spec.accelerator == "cpu":
+            torch.set_num_threads(1)  # ranks share the host's cores
+        comm = init_distributed(rank, spec.world_size, f"tcp://127.0.0.1:{spec.port}", spec.accelerator,
+                                spec.timeout_s)
+        kw, eplb, placement = split_kwargs(spec.kwargs)
+        engine = RankLLM(spec.model, spec.tokenizer, comm=comm, expert_parallel=spec.expert_parallel, eplb=eplb,
+                         placement=placement, **kw)
+        reply("ok", rank)
+    except BaseException as exc:  # noqa: BLE001 - reported to the driver
+        reply("error", (exc, traceback.format_exc()))
+        return
+    while True:
+        try:
+            cmd, payload = conn.recv()
+        except (EOFError, OSError):  # the driver went away
+            break
+        if cmd == "shutdown":
+            reply("ok", None)
+            break
+        try:
+            reply("ok", _handle(engine, cmd, payload))
+        except BaseException as exc:  # noqa: BLE001
+            reply("error", (exc, traceback.format_exc()))
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,140 @@
+"""One data-parallel attention rank that holds its expert-parallel share of the experts.
+
+A `RankLLM` is an `LLM` with its own scheduler, KV cache and requests, whose MoE layers
+are `ExpertParallelMoE` over the group. Ranks step in lockstep: every step starts with
+an all-reduce of "has work" flags (`_keep_stepping`), and a rank with nothing scheduled
+runs a dummy batch of zero tokens through the MoE layers so every all-to-all matches.
+EPLB steps (and rebalances) inside `execute`, so every rank counts the same steps.
+
+Use it through ``LLM(data_parallel_size=N, expert_parallel_size=N)`` (spawned workers)
+or directly under ``torchrun`` (see `deepinfer.parallel.launcher.rank_llm_from_torchrun`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from deepinfer.errors import DeepInferError, InvalidRequestError
+from deepinfer.llm import LLM
+from deepinfer.outputs import RequestOutput
+from deepinfer.parallel.comm import EPComm
+from deepinfer.parallel.eplb import EPLBConfig, EPLBController
+from deepinfer.parallel.expert_parallel import ExpertParallelMoE
+from deepinfer.parallel.placement import ExpertPlacement, PlacementError
+from deepinfer.sampling_params import SamplingParams
+
+__all__ = ["RankLLM", "PeerRejectedError"]
+
+
+class PeerRejectedError(DeepInferError):
+    """Another rank rejected its share of a generate() call; nothing was run."""
+
+
+class _LockstepRunner:
+    """Wraps the engine's runner: EPLB step bookkeeping around every execute, and a dummy
+    MoE pass when this rank has nothing scheduled."""
+
+    def __init__(self, inner: Any, engine: RankLLM) -> None:
+        self.inner, self.engine = inner, engine
+
+    def execute(self, so: SchedulerOutput, *args: Any, **kwargs: Any) -> ModelRunnerOutput:
+        eplb = self.engine.eplb
+        if eplb is not None:
+            eplb.begin_step()
+        if so.scheduled:
+            out = self.inner.execute(so, *args, **kwargs)
+        else:
+            self.engine.dummy_moe_pass()
+            out = ModelRunnerOutput([], [])
+        if eplb is not None:
+            eplb.end_step()
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class RankLLM(LLM):
+    """An `LLM` that is one rank of a data-parallel + expert-parallel group."""
+
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, *, comm: EPComm,
+                 expert_parallel: bool = True, eplb: EPLBConfig | None = None,
+                 placement: ExpertPlacement | None = None, **kwargs: Any) -> None:
+        self.comm = comm
+        self.expert_parallel = expert_parallel
+        self.eplb_config = eplb or EPLBConfig.from_env()
+        self._initial_placement = placement
+        self.eplb: EPLBController | None = None
+        self.ep_layers: list[ExpertParallelMoE] = []
+        super().__init__(model, tokenizer, **kwargs)
+
+    # ---- construction ----------------------------------------------------------------
+    def init_model(self) -> None:
+        super().init_model()
+        if self.expert_parallel:
+            self.init_expert_parallel()
+
+    def init_expert_parallel(self) -> None:
+        """Swap every layer's MoE for this rank's expert slots (the other experts are freed)."""
+        mcfg, world = self.model_config, self.comm.world_size
+        num_layers = len(self.model.layers)
+        num_logical = mcfg.n_routed_experts
+        placement = self._initial_placement or ExpertPlacement.default(
+            num_layers, num_logical, world, self.eplb_config.num_redundant_experts)
+        if (placement.num_layers, placement.num_logical, placement.num_ranks) != (num_layers, num_logical, world):
+            raise PlacementError(
+                f"placement is for {placement.num_layers} layers x {placement.num_logical} experts over "
+                f"{placement.num_ranks} ranks; this engine has {num_layers} x {num_logical} over {world}")
+        for i, block in enumerate(self.model.layers):
+            block.ffn = ExpertParallelMoE(block.ffn, i, placement.phy2log[i], self.comm)
+            self.ep_layers.append(block.ffn)
+        self.eplb = EPLBController(self.ep_layers, placement, self.eplb_config, self.comm, self.device)
+
+    def init_cache_and_scheduler(self) -> None:
+        super().init_cache_and_scheduler()
+        self.runner = _LockstepRunner(self.runner, self)
+
+    # ---- lockstep ----------------------------------------------------------------------
+    def _keep_stepping(self) -> bool:
+        local = super()._keep_stepping()
+        if self.comm.world_size == 1:
+            return local
+        flag = torch.tensor([1 if local else 0], dtype=torch.int64, device=self.device)
+        return bool(self.comm.all_reduce(flag, "max").item())
+
+    @torch.no_grad()
+    def dummy_moe_pass(self) -> None:
+        """Zero tokens through every EP layer, so this idle rank joins its peers' all-to-alls."""
+        x = torch.empty(0, self.model_config.hidden_size, dtype=self.model.dtype, device=self.device)
+        ids = torch.empty(0, dtype=torch.long, device=self.device)
+        for layer in self.ep_layers:
+            layer(x, ids)
+
+    def generate_rank(self, prompts: Sequence[str] | None = None,
+                      sampling_params: Sequence[SamplingParams] | None = None,
+                      prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                      use_tqdm: bool = False) -> list[RequestOutput]:
+        """This rank's share of a generate() call; every rank of the group must call it
+        (with its own share, possibly empty). Inputs are checked on every rank first and
+        the verdicts exchanged, so a bad prompt anywhere fails everywhere before any step."""
+        error: Exception | None = None
+        try:
+            items = self._prompts(prompts, prompt_token_ids)
+            params = list(sampling_params) if sampling_params is not None else [SamplingParams() for _ in items]
+            if len(params) != len(items) or not all(isinstance(p, SamplingParams) for p in params):
+                raise InvalidRequestError(f"got {len(params)} sampling_params for {len(items)} prompts")
+            self._check_lengths(items)
+            self.structured.check(params)
+        except DeepInferError as exc:
+            error = exc
+        if self.comm.world_size > 1:
+            flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=self.device)
+            if self.comm.all_reduce(flag, "max").item() and error is None:
+                error = PeerRejectedError("another data-parallel rank rejected its share of this generate() call")
+        if error is not None:
+            raise error
+        return self.generate(prompts, params, prompt_token_ids, use_tqdm=use_tqdm)
