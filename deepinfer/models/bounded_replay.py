@@ -1,0 +1,130 @@
+"""SWA bounded replay for DeepSeek-V4.1 (DeepInfer's "YOCO truncation", vLLM's
+"decoder replay", SGLang's "decoder SWA bounded replay").
+
+The decoder layers (the last KV source and every layer after it) own nothing but a
+128-token window of raw KV; the shared KV and index keys they read are published by the
+last KV source's compressor, which keeps running on every row. So in prefill the
+decoder layers only need to run on each request's last `keep` prompt positions:
+
+  cut = prompt_len - keep   (0 when the prompt is no longer than keep)
+
+  off      every row runs every layer (exact)
+  mask     every row runs every layer, but a decoder layer's window attention of the
+           row at position p sees only keys in [max(p - W + 1, cut), p]
+  compact  rows at positions < cut skip the decoder layers altogether; the kept rows
+           see the same narrowed window as in `mask`, so compact == mask
+
+It is an approximation for prompts longer than keep (the first kept rows see a
+truncated window), and exact (== off) for prompts of at most keep tokens. Decode rows
+(p >= prompt_len) always see their full window because keep >= W. keep must also
+cover the speculative backtracking (a rejected draft rolls the request back by up to
+MAX_BACKTRACK positions, whose window must still lie inside the kept suffix).
+
+`cut` depends on the prompt length only (not on how many tokens were generated), so a
+preempted request recomputes exactly what it had. Prefix-cache hits are capped at
+`cut` (`hit_limit`): every decoder-window row a request reads is then one it computed
+itself, so a hit changes nothing (and compact == mask under hits).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.config import register_env_var
+from deepinfer.errors import ConfigError
+
+MODES = ("off", "mask", "compact")
+DEFAULT_KEEP = 140
+#: Positions a request can be rolled back by speculative verification (DSpark block 5 + 1).
+MAX_BACKTRACK = 6
+ENV_MODE, ENV_KEEP = "DEEPINFER_SWA_REPLAY_MODE", "DEEPINFER_SWA_REPLAY_KEEP"
+
+register_env_var(ENV_MODE, "off|mask|compact: SWA bounded replay of the V4.1 decoder layers in prefill "
+                           "(default off)")
+register_env_var(ENV_KEEP, f"int: prompt suffix the V4.1 decoder layers replay (default {DEFAULT_KEEP}; "
+                           f">= sliding_window + {MAX_BACKTRACK})")
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """Engine-wide bounded-replay setting, carried to the model in ForwardBatch.replay."""
+
+    mode: str = "off"
+    keep: int = DEFAULT_KEEP
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"swa_replay_mode must be one of {list(MODES)}, got {self.mode!r} "
+                              f"(kwarg swa_replay_mode or env {ENV_MODE})", field="swa_replay_mode")
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
+            raise ConfigError(f"swa_replay_keep must be a positive int, got {self.keep!r} "
+                              f"(kwarg swa_replay_keep or env {ENV_KEEP})", field="swa_replay_keep")
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "off"
+
+    @classmethod
+    def resolve(cls, kwargs: dict, environ: Mapping[str, str] | None = None) -> "ReplayConfig":
+        """Pop `swa_replay_mode` / `swa_replay_keep` from LLM kwargs (they win) over the env."""
+        env = os.environ if environ is None else environ
+        mode = kwargs.pop("swa_replay_mode", None)
+        keep = kwargs.pop("swa_replay_keep", None)
+        if mode is None:
+            mode = env.get(ENV_MODE, "off").strip().lower()
+        if keep is None and ENV_KEEP in env:
+            raw = env[ENV_KEEP].strip()
+            if not (raw.isascii() and raw.isdigit()):
+                raise ConfigError(f"environment variable {ENV_KEEP}={env[ENV_KEEP]!r} must be a positive integer",
+                                  field=ENV_KEEP)
+            keep = int(raw)
+        return cls(mode, DEFAULT_KEEP if keep is None else keep)
+
+    def validate_for(self, cfg) -> None:
+        """Check against the model: it must have decoder layers, and keep must cover the
+        window plus the speculative backtracking."""
+        if not self.active:
+            return
+        if not getattr(cfg, "is_v41", False) or getattr(cfg, "replay_start_layer", None) is None:
+            raise ConfigError(f"swa_replay_mode={self.mode!r} needs a model with V4.1 decoder layers (a KV-source "
+                              f"schedule); this checkpoint is {getattr(cfg, 'model_type', '?')!r}. Use "
+                              f"swa_replay_mode='off' (env {ENV_MODE}=off)", field="swa_replay_mode")
+        bound = cfg.sliding_window + MAX_BACKTRACK
+        if self.keep < bound:
+            raise ConfigError(
+                f"swa_replay_keep={self.keep} is too small: it must be >= sliding_window ({cfg.sliding_window}) + "
+                f"max speculative backtracking ({MAX_BACKTRACK}) = {bound}, or decode would read window KV the "
+                f"decoder layers never computed (kwarg swa_replay_keep or env {ENV_KEEP})", field="swa_replay_keep")
+
+    def cut(self, prompt_len: int) -> int:
+        """First position the decoder layers process in prefill (0 = every position)."""
+        if not self.active or prompt_len <= self.keep:
+            return 0
+        return prompt_len - self.keep
+
+    def hit_limit(self, request) -> int:
+        """Longest prefix-cache hit (tokens) a request may use: its cut."""
+        return self.cut(request.num_prompt_tokens)
+
+
+def batch_cuts(batch) -> list[int]:
+    """Per-sequence cut of a ForwardBatch (all 0 when replay is off or absent)."""
+    replay = getattr(batch, "replay", None)
+    if replay is None or not replay.active:
+        return [0] * len(batch.seqs)
+    return [replay.cut(getattr(s, "prompt_len", 0)) for s in batch.seqs]
+
+
+def kept_rows(batch, cuts: list[int]) -> torch.Tensor | None:
+    """Flattened rows at positions >= their sequence's cut; None when every row is kept."""
+    if not any(c > s.start for c, s in zip(cuts, batch.seqs)):
+        return None
+    parts = [torch.arange(s.offset + max(0, c - s.start), s.offset + s.length)
+             for c, s in zip(cuts, batch.seqs) if s.start + s.length > c]
+    if not parts:
+        return torch.zeros(0, dtype=torch.long, device=batch.input_ids.device)
+    return torch.cat(parts).to(batch.input_ids.device)
