@@ -1,0 +1,38 @@
+"""Speculative decoding: drafters (MTP, DSpark), lossless verification, confidence-
+scheduled verify lengths, metrics. `setup(llm)` wires it into an engine when
+``num_speculative_tokens > 0`` (DEEPINFER_USE_NEXTN_DECODE)."""
+
+from __future__ import annotations
+
+from .drafter import Draft, DraftContext, Drafter, OracleDrafter, RandomDrafter
+from .metrics import SpecMetrics
+from .scheduling import StepTimeCurve, plan_verify_lengths, split_budget
+
+__all__ = ["Draft", "DraftContext", "Drafter", "OracleDrafter", "RandomDrafter", "SpecMetrics", "StepTimeCurve",
+           "plan_verify_lengths", "split_budget", "setup", "make_drafter"]
+
+
+def make_drafter(model, cache, k: int):
+    """DSpark when the checkpoint has it, else its MTP stage."""
+    cfg = model.cfg
+    if getattr(cfg, "is_v41", False):
+        raise NotImplementedError("speculative decoding is implemented for DeepSeek-V4 checkpoints only so far")
+    if not len(getattr(model, "mtp", [])):
+        raise ValueError("num_speculative_tokens > 0 needs a checkpoint with MTP / DSpark stages")
+    if cfg.has_dspark:
+        from .dspark_drafter import DSparkDrafter
+        return DSparkDrafter(model, cache, k)
+    from .mtp_drafter import MTPDrafter
+    return MTPDrafter(model, cache, k)
+
+
+def setup(llm) -> None:
+    """Enable speculation on an `LLM` built with num_speculative_tokens = k > 0."""
+    from .kv import widen_compressor_rings
+    from .runner import SpecDecoder
+
+    k = llm.config.num_speculative_tokens
+    widen_compressor_rings(llm.kv_cache, k)
+    drafter = make_drafter(llm.model, llm.kv_cache, k)
+    llm.runner.spec = SpecDecoder(drafter, k, varlen=llm.config.enable_mtp_varlen)
+    llm.scheduler.config.num_lookahead_tokens = drafter.lookahead

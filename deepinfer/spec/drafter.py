@@ -1,0 +1,89 @@
+"""The drafter interface and two reference drafters (oracle, random) used by the tests.
+
+After every step the spec runner (`deepinfer/spec/runner.py`) hands the drafter a
+`DraftContext`: the step's flattened batch, the target's final streams (and captured
+hidden states of the layers the drafter asked for), and per scheduled request how many
+of its rows hold valid KV and which tokens were emitted. The drafter returns, per
+sampled request, up to ``k`` draft tokens, their draft distributions ``q`` (``None`` =
+deterministic proposal, q one-hot) and per-draft confidences (survival probabilities
+used by the confidence-scheduled budget).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.engine.outputs import ScheduledRequest
+from deepinfer.engine import rng
+from deepinfer.models.kv_cache import ForwardBatch
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), V] draft distributions, None = one-hot
+    confidences: list[float] = field(default_factory=list)
+
+
+@dataclass
+class DraftContext:
+    batch: ForwardBatch
+    streams: torch.Tensor  # [T, N, D] final target streams of the step
+    hidden: dict[int, torch.Tensor]  # captured layer outputs (layer id -> [T, N, D])
+    scheduled: list[ScheduledRequest]
+    valid: list[int]  # per scheduled request: rows of the step whose KV is now valid
+    emitted: list[list[int] | None]  # per scheduled request: tokens returned (None = no sample)
+
+
+class Drafter:
+    """Proposes draft tokens after a step. ``target_layers``: hidden states to capture."""
+
+    target_layers: tuple[int, ...] = ()
+    #: positions beyond the last verified token a drafter writes into the paged cache.
+    lookahead: int = 0
+
+    def propose(self, ctx: DraftContext, k: int) -> dict[str, Draft]:
+        raise NotImplementedError
+
+    def drop(self, req_ids: list[str]) -> None:
+        """Forget per-request state of finished / preempted requests."""
+
+
+class OracleDrafter(Drafter):
+    """Drafts the known target continuation (``reference[req_id]``: the request's output
+    tokens as the target produces them). Acceptance is 100% when the reference is right."""
+
+    def __init__(self, reference: dict[str, list[int]]) -> None:
+        self.reference = reference
+
+    def propose(self, ctx: DraftContext, k: int) -> dict[str, Draft]:
+        out = {}
+        for r, emitted in zip(ctx.scheduled, ctx.emitted):
+            if emitted is None or r.req_id not in self.reference:
+                continue
+            done = r.output_len + len(emitted)
+            toks = self.reference[r.req_id][done: done + k]
+            out[r.req_id] = Draft(toks, None, [1.0] * len(toks))
+        return out
+
+
+class RandomDrafter(Drafter):
+    """Uniformly random drafts from the counter RNG (independent of the target's noise, so
+    treating them as deterministic proposals is lossless). Acceptance ~ 1/V."""
+
+    def __init__(self, vocab_size: int, seed: int = 1234) -> None:
+        self.vocab_size, self.seed = vocab_size, seed
+
+    def propose(self, ctx: DraftContext, k: int) -> dict[str, Draft]:
+        out = {}
+        for i, (r, emitted) in enumerate(zip(ctx.scheduled, ctx.emitted)):
+            if emitted is None:
+                continue
+            pos = r.start_pos + ctx.valid[i] + 1
+            seed = torch.tensor([self.seed], dtype=torch.int64)
+            u = rng.uniform(seed, torch.tensor([pos], dtype=torch.int64), rng.SAMPLE, k)[0]
+            toks = (u * self.vocab_size).long().clamp(max=self.vocab_size - 1).tolist()
+            out[r.req_id] = Draft(toks, None, [0.5] * k)
+        return out

@@ -1,0 +1,115 @@
+"""MTP drafter: the checkpoint's next-n stage drafts k tokens autoregressively.
+
+Convention: the MTP row at position t combines the target's final streams h_t with the
+embedding of token x_{t+1} and predicts x_{t+2}; it writes the MTP stage's window cache
+(layer id num_hidden_layers + stage) at row t. Every step it runs over each position whose
+next token became known (prefill chunks included, so its window cache is complete); the
+last row of a chunk that did not sample has no next token yet and waits ("pending", its
+stream kept) for the next chunk. Drafts 2..k feed the stage its own output stream and
+the previous draft at the following positions (these rows are speculative and get
+rewritten once the real tokens are verified). Only stage 0 is used (base V4 has one).
+Draft tokens are drawn with the request's sampling settings from the DRAFT stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.engine.sampler import Sampler, SamplingTensors
+from deepinfer.models.kv_cache import GROUP_SWA, ForwardBatch, KVCache, SeqMeta
+
+from .drafter import Draft, DraftContext, Drafter
+from .verify import sample_draft
+
+
+class MTPDrafter(Drafter):
+    def __init__(self, model, cache: KVCache, k: int) -> None:
+        self.model, self.cache, self.k = model, cache, k
+        self.lookahead = max(0, k - 1)
+        self.sampler = Sampler()
+        self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # req_id -> (position, streams [N, D])
+
+    def drop(self, req_ids: list[str]) -> None:
+        for r in req_ids:
+            self.pending.pop(r, None)
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext, k: int) -> dict[str, Draft]:
+        dev = ctx.streams.device
+        ids: list[int] = []
+        prev: list[torch.Tensor] = []
+        seqs: list[SeqMeta] = []
+        heads = []  # (scheduled index, row of draft-1 logits, position of that MTP row)
+        for i, r in enumerate(ctx.scheduled):
+            seq, emitted, valid = ctx.batch.seqs[i], ctx.emitted[i], ctx.valid[i]
+            toks = list(r.token_ids[:valid]) + (emitted[-1:] if emitted else [])
+            pend = self.pending.pop(r.req_id, None)
+            offset, p0 = len(ids), seq.start
+            if pend is not None and not r.is_new and pend[0] == seq.start - 1:
+                prev.append(pend[1].unsqueeze(0))
+                ids.append(toks[0])
+                p0 = seq.start - 1
+            m = valid if emitted else valid - 1
+            if m > 0:
+                prev.append(ctx.streams[seq.offset: seq.offset + m])
+                ids.extend(toks[1: m + 1])
+            if not emitted and valid > 0:
+                self.pending[r.req_id] = (seq.start + valid - 1, ctx.streams[seq.offset + valid - 1].clone())
+            length = len(ids) - offset
+            if length:
+                seqs.append(SeqMeta(p0, length, offset, r.block_table, r.state_slot, False, r.num_prompt_tokens))
+                if emitted:
+                    heads.append((i, len(ids) - 1, p0 + length - 1))
+        if not seqs:
+            return {}
+        batch = ForwardBatch(torch.tensor(ids, dtype=torch.long, device=dev),
+                             torch.cat([torch.arange(s.start, s.start + s.length) for s in seqs]).to(dev), seqs)
+        streams, logits = self.model.mtp_forward(0, torch.cat(prev), batch, self.cache)
+        if not heads or k <= 0:
+            return {}
+        B = self.cache.block_size
+        rows = [h[1] for h in heads]
+        cur_streams, cur_logits = streams[rows], logits[rows]
+        reqs = [ctx.scheduled[h[0]] for h in heads]
+        mtp_pos = [h[2] for h in heads]  # position of the MTP row that produced cur_logits
+        toks_out: list[list[int]] = [[] for _ in heads]
+        q_out: list[list[torch.Tensor]] = [[] for _ in heads]
+        conf: list[list[float]] = [[] for _ in heads]
+        alive = list(range(len(heads)))
+        for j in range(k):
+            params = SamplingTensors.from_params([reqs[a].sampling_params for a in alive],
+                                                 [mtp_pos[a] + 2 for a in alive], dev)
+            tok, q = sample_draft(cur_logits, params, self.sampler)
+            probs = torch.softmax(cur_logits.float(), dim=-1) if q is None else q
+            pt = probs.gather(1, tok.unsqueeze(1)).squeeze(1).tolist()
+            tl = tok.tolist()
+            for n, a in enumerate(alive):
+                toks_out[a].append(tl[n])
+                conf[a].append(float(pt[n]))
+                if q is not None:
+                    q_out[a].append(q[n])
+            if j == k - 1:
+                break
+            # next MTP row: one position further, fed its own stream and the new draft
+            nxt, seqs2, prev2, ids2 = [], [], [], []
+            for n, a in enumerate(alive):
+                pos = mtp_pos[a] + 1
+                table = reqs[a].block_table[GROUP_SWA]
+                if pos // B >= len(table) or table[pos // B] < 0:
+                    continue  # no block reserved there (near max_model_len): stop drafting
+                seqs2.append(SeqMeta(pos, 1, len(ids2), reqs[a].block_table, reqs[a].state_slot, False))
+                ids2.append(tl[n])
+                prev2.append(cur_streams[n: n + 1])
+                mtp_pos[a] = pos
+                nxt.append(a)
+            if not nxt:
+                break
+            b2 = ForwardBatch(torch.tensor(ids2, dtype=torch.long, device=dev),
+                              torch.tensor([s.start for s in seqs2], dtype=torch.long, device=dev), seqs2)
+            cur_streams, cur_logits = self.model.mtp_forward(0, torch.cat(prev2), b2, self.cache)
+            alive = nxt
+        out = {}
+        for a, r in enumerate(reqs):
+            probs = torch.stack(q_out[a]) if q_out[a] else None
+            out[r.req_id] = Draft(toks_out[a], probs, conf[a])
+        return out

@@ -1,0 +1,153 @@
+"""The speculative step: verify the scheduled drafts, then draft for the next step.
+
+`ModelRunner.execute` hands the whole step here when speculation is on
+(``runner.spec``). Invariant of `execute`: every sampled request's chunk ends with its
+``num_draft_tokens`` drafts; its logits rows are the last ``k + 1`` rows of the chunk
+(the last real token's row scores draft 1, ..., the last draft's row gives the bonus);
+the returned tokens are the accepted drafts plus one target token, and the drafter then
+sees exactly which rows hold valid KV (real tokens + accepted drafts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from deepinfer.engine.sampler import SamplingTensors
+from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, phase
+
+from .drafter import Draft, DraftContext, Drafter
+from .metrics import SpecMetrics
+from .scheduling import StepTimeCurve, plan_verify_lengths
+from .verify import rejection_sample
+
+
+def forward_capture(model, batch, cache, layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """`DeepseekV4Model.forward` that also returns the output streams of ``layers``."""
+    if not layers:
+        return model(batch, cache), {}
+    ctx = model.context(batch, cache)
+    streams = model.embed(batch.input_ids).unsqueeze(1).repeat(1, model.cfg.hc_mult, 1)
+    hidden = {}
+    for i, layer in enumerate(model.layers):
+        streams = layer(streams, ctx)
+        if i in layers:
+            hidden[i] = streams
+    return streams, hidden
+
+
+class SpecDecoder:
+    """Owns the drafter, the pending drafts and the speculative metrics of one runner."""
+
+    def __init__(self, drafter: Drafter, num_speculative_tokens: int, varlen: bool = False,
+                 curve: StepTimeCurve | None = None, rule: str = "standard") -> None:
+        self.drafter, self.k, self.varlen = drafter, num_speculative_tokens, varlen
+        self.curve = curve or StepTimeCurve.default()
+        self.rule = rule  # acceptance rule (tests break it on purpose)
+        self.metrics = SpecMetrics()
+        self.drafts: dict[str, Draft] = {}  # proposed after the last step, not yet attached
+        self.probs: dict[str, torch.Tensor | None] = {}  # q of the drafts attached to requests
+
+    # ------------------------------------------------------------------ host side
+    def attach(self, scheduler) -> None:
+        """Give running requests the drafts proposed for them (after Scheduler.update).
+        Fixed-length: k each; confidence-scheduled: lengths from `plan_verify_lengths`.
+        Structured-output requests get none (hook: check drafts against the grammar and
+        roll its matcher back, deepinfer/structured/manager.py has rollback)."""
+        cands = []
+        for req in scheduler.running:
+            d = self.drafts.pop(req.req_id, None)
+            if d is None or getattr(req.sampling_params, "structured_output", None) is not None:
+                continue
+            cands.append((req, d))
+        self.drafts.clear()
+        if self.varlen and cands:
+            lengths = plan_verify_lengths([d.confidences[: self.k] for _, d in cands], self.curve,
+                                          num_other_rows=0)
+        else:
+            lengths = [self.k] * len(cands)
+        for (req, d), n in zip(cands, lengths):
+            req.draft_token_ids = list(d.tokens[:n])
+            req.draft_confidences = list(d.confidences[:n])
+            self.probs[req.req_id] = d.probs
+
+    # ---------------------------------------------------------------- device side
+    @torch.no_grad()
+    def execute(self, runner, so: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
+        model = runner.model
+        self.drafter.drop(so.preempted_req_ids + so.finished_req_ids)
+        for rid in so.preempted_req_ids + so.finished_req_ids:
+            self.probs.pop(rid, None)
+        req_ids = [r.req_id for r in so.scheduled]
+        sampled: list[list[int]] = [[] for _ in so.scheduled]
+        if not so.scheduled:
+            return ModelRunnerOutput(req_ids, sampled)
+        with phase(PREPARE_INPUTS):
+            batch = runner.build_batch(so)
+        with phase(MODEL):
+            streams, hidden = forward_capture(model, batch, runner.cache, tuple(self.drafter.target_layers))
+        picks = [i for i, r in enumerate(so.scheduled) if r.needs_sample]
+        valid = [r.num_tokens - r.num_draft_tokens for r in so.scheduled]
+        emitted: list[list[int] | None] = [None] * len(so.scheduled)
+        logprobs: list[list[float]] = [[] for _ in so.scheduled]
+        tops: list = [[] for _ in so.scheduled]
+        any_top = any(so.scheduled[i].sampling_params.top_logprobs for i in picks)
+        if picks:
+            rows, params, positions, draft_ids, nd, qs = [], [], [], [], [], []
+            plain = []  # (logits row, req_id) of requests without drafts (grammar masks them)
+            for i in picks:
+                r, seq = so.scheduled[i], batch.seqs[i]
+                k, n_real = r.num_draft_tokens, valid[i]
+                first = seq.offset + n_real - 1
+                if k == 0:
+                    plain.append((len(rows), r.req_id))
+                rows += range(first, first + k + 1)
+                params += [r.sampling_params] * (k + 1)
+                positions += [r.start_pos + n_real + j for j in range(k + 1)]
+                draft_ids += list(r.token_ids[n_real:]) + [-1]
+                nd.append(k)
+                q = self.probs.pop(r.req_id, None)
+                qs.append(q[:k] if q is not None and k and q.shape[0] >= k and not r.sampling_params.is_greedy
+                          else None)
+            for i in range(len(so.scheduled)):
+                if i not in picks:
+                    self.probs.pop(so.scheduled[i].req_id, None)
+            dev = runner.device
+            with phase(LOGITS):
+                logits = model.compute_logits(streams[torch.tensor(rows, device=dev)])
+            if grammar is not None and plain:
+                idx = torch.tensor([p[0] for p in plain], device=dev)
+                sub = logits[idx]
+                grammar.apply(sub, [p[1] for p in plain])
+                logits[idx] = sub
+            st = SamplingTensors.from_params(params, positions, dev)
+            draft_t = torch.tensor(draft_ids, dtype=torch.long, device=dev)
+            probs = None
+            if any(q is not None for q in qs):
+                V = logits.shape[1]
+                parts = []
+                for q, k, (j0) in zip(qs, nd, range(len(nd))):
+                    parts.append(q.to(dev).float() if q is not None else torch.zeros(k, V, device=dev))
+                    parts.append(torch.zeros(1, V, device=dev))
+                probs = torch.cat(parts)
+                onehot = torch.nn.functional.one_hot(draft_t.clamp(min=0), V).float()
+                none_rows = torch.tensor(sum(([q is None] * (k + 1) for q, k in zip(qs, nd)), []), device=dev)
+                probs = torch.where(none_rows.unsqueeze(1), onehot, probs)
+            with phase(SAMPLE):
+                res = rejection_sample(logits, st, nd, draft_t, probs, runner.sampler, rule=self.rule)
+            self.metrics.record(nd, res.num_accepted)
+            raw_lp = torch.log_softmax(logits.float(), dim=-1) if any_top else None
+            for j, i in enumerate(picks):
+                sampled[i] = res.tokens[j]
+                emitted[i] = res.tokens[j]
+                logprobs[i] = res.logprobs[j]
+                valid[i] += res.num_accepted[j]
+                kt = so.scheduled[i].sampling_params.top_logprobs
+                if kt and raw_lp is not None:
+                    v, ids = torch.topk(raw_lp[torch.tensor(res.rows[j], device=dev)], min(kt, raw_lp.shape[1]))
+                    tops[i] = [list(zip(a, b)) for a, b in zip(ids.tolist(), v.tolist())]
+                else:
+                    tops[i] = [[] for _ in res.tokens[j]]
+        ctx = DraftContext(batch, streams, hidden, so.scheduled, valid, emitted)
+        self.drafts = self.drafter.propose(ctx, self.k)
+        return ModelRunnerOutput(req_ids, sampled, logprobs, tops if any_top else None)

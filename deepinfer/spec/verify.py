@@ -1,0 +1,137 @@
+"""Lossless verification of draft tokens (speculative rejection sampling).
+
+Layout: request ``i`` owns ``k_i + 1`` consecutive rows of ``logits``: row ``j < k_i`` is
+the target's distribution for the slot of draft ``j`` (``draft_ids[row]``), row ``k_i``
+the one after the last draft (bonus). Per request, in order:
+
+* draft ``j`` is accepted iff ``U < min(1, p(d) / q(d))`` with ``U`` drawn from the
+  counter RNG keyed ``(seq_seed, position, ACCEPT)``; ``p`` is the target distribution
+  after temperature / top-k / top-p / min-p (``Sampler.process_logits``), ``q`` the
+  draft's (one-hot when the drafter is deterministic, ``draft_probs=None``);
+* at the first rejected row the token is drawn from ``max(p - q, 0)`` renormalised with
+  ``(seq_seed, position, RESIDUAL)`` noise;
+* when every draft is accepted the bonus row draws a fresh target sample exactly as
+  the regular sampler does (``(seq_seed, position, SAMPLE)``), so a step with 0 drafts
+  is bit-for-bit the non-speculative step.
+
+Greedy rows are the special case: accept iff ``d == argmax(logits)``, and the token
+emitted at the first mismatch is that argmax. Every draw is a pure function of
+``(seed, position, case)``: results do not depend on the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.engine import rng
+from deepinfer.engine.sampler import Sampler, SamplingTensors
+
+#: Acceptance rule. "standard" is the lossless one; "ignore_q" (accept with p(d)) is a
+#: deliberately BROKEN rule that the statistical test must reject (see tests/test_spec_stats.py).
+ACCEPT_RULES = ("standard", "ignore_q")
+
+
+@dataclass
+class VerifyResult:
+    """Per request: emitted tokens (accepted drafts + one target token), how many drafts
+    were accepted, and the raw-model logprob of each emitted token."""
+
+    tokens: list[list[int]]
+    num_accepted: list[int]
+    logprobs: list[list[float]]
+    rows: list[list[int]]  # the logits row each emitted token came from
+
+
+def rejection_sample(logits: torch.Tensor, params: SamplingTensors, num_drafts: list[int],
+                     draft_ids: torch.Tensor, draft_probs: torch.Tensor | None = None,
+                     sampler: Sampler | None = None, rule: str = "standard") -> VerifyResult:
+    """Verify drafts of several requests in one batched pass (see module docstring).
+
+    Args:
+        logits: float [M, V], M = sum(k_i + 1).
+        params: per-row sampling tensors; ``position[row]`` = index the row's token occupies.
+        num_drafts: k_i per request.
+        draft_ids: int64 [M]; the draft in each draft row (anything, e.g. -1, in bonus rows).
+        draft_probs: float [M, V] draft distributions q per row (bonus rows ignored), or
+            None when drafts are deterministic (q = one-hot at the draft).
+        rule: "standard" or a deliberately broken rule for tests.
+    """
+    if rule not in ACCEPT_RULES:
+        raise ValueError(f"rule must be one of {ACCEPT_RULES}, got {rule!r}")
+    sampler = sampler or Sampler()
+    M, V = logits.shape
+    if sum(k + 1 for k in num_drafts) != M:
+        raise ValueError(f"logits has {M} rows, num_drafts {num_drafts} needs {sum(k + 1 for k in num_drafts)}")
+    raw = logits.float()
+    fresh = sampler.sample(raw, params)  # bonus rows: the regular target sample
+    greedy_tok = raw.argmax(dim=-1)
+    d = draft_ids.clamp(0, V - 1).unsqueeze(1)
+    accept = d.squeeze(1) == greedy_tok
+    residual_tok = greedy_tok
+    if not params.all_greedy:
+        p = torch.softmax(sampler.process_logits(raw, params), dim=-1)
+        pd = p.gather(1, d).squeeze(1)
+        if draft_probs is None:
+            qd = torch.ones_like(pd)
+            resid = p.scatter(1, d, 0.0)
+        else:
+            q = torch.nan_to_num(draft_probs.float(), nan=0.0)
+            qd = q.gather(1, d).squeeze(1)
+            resid = (p - q).clamp(min=0.0)
+        ratio = torch.where(qd > 0, pd / qd.clamp(min=1e-30), (pd > 0).float())
+        if rule == "ignore_q":
+            ratio = pd
+        u = rng.uniform(params.seed, params.position, rng.ACCEPT, 1)[:, 0]
+        accept_rand = u < ratio  # U in [0, 1): ratio >= 1 always accepts
+        mass = resid.sum(dim=-1, keepdim=True)
+        resid = torch.where(mass > 0, resid / mass.clamp(min=1e-30), p)  # p == q exactly: never rejects
+        ur = rng.uniform(params.seed, params.position, rng.RESIDUAL, V)
+        res = (torch.log(resid) - torch.log(-torch.log(ur))).argmax(dim=-1)
+        accept = torch.where(params.greedy, accept, accept_rand)
+        residual_tok = torch.where(params.greedy, greedy_tok, res)
+    raw_lp = torch.log_softmax(raw, dim=-1)
+    acc, res_l, fresh_l = accept.tolist(), residual_tok.tolist(), fresh.token_ids.tolist()
+    drafts = draft_ids.tolist()
+    out = VerifyResult([], [], [], [])
+    base = 0
+    lp_rows, lp_toks = [], []
+    for k in num_drafts:
+        a = 0
+        while a < k and acc[base + a]:
+            a += 1
+        toks = drafts[base: base + a] + [res_l[base + a] if a < k else fresh_l[base + k]]
+        rows = list(range(base, base + a + 1))
+        out.tokens.append(toks)
+        out.num_accepted.append(a)
+        out.rows.append(rows)
+        lp_rows += rows
+        lp_toks += toks
+        base += k + 1
+    lps = raw_lp[torch.tensor(lp_rows, device=raw.device), torch.tensor(lp_toks, device=raw.device)].tolist()
+    i = 0
+    for toks in out.tokens:
+        out.logprobs.append(lps[i: i + len(toks)])
+        i += len(toks)
+    return out
+
+
+def sample_draft(logits: torch.Tensor, params: SamplingTensors, sampler: Sampler | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draw draft tokens from drafter logits [R, V] with the request's sampling settings and
+    the DRAFT stream (seed + DRAFT_SEED_OFFSET, position, SAMPLE). Returns (tokens [R],
+    q [R, V] or None when every row is greedy). Greedy rows take the argmax, q = one-hot."""
+    sampler = sampler or Sampler()
+    raw = torch.nan_to_num(logits.float(), nan=0.0, posinf=0.0, neginf=-1e30)
+    tokens = raw.argmax(dim=-1)
+    if params.all_greedy:
+        return tokens, None
+    z = sampler.process_logits(raw, params)
+    q = torch.softmax(z, dim=-1)
+    u = rng.uniform(rng.draft_seed(params.seed), params.position, rng.SAMPLE, raw.shape[1])
+    sampled = (z - torch.log(-torch.log(u))).argmax(dim=-1)
+    tokens = torch.where(params.greedy, tokens, sampled)
+    onehot = torch.nn.functional.one_hot(tokens, raw.shape[1]).to(q.dtype)
+    q = torch.where(params.greedy.unsqueeze(1), onehot, q)
+    return tokens, q
