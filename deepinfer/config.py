@@ -50,6 +50,7 @@ KNOWN_ENV_VARS: dict[str, str] = {
     "DEEPINFER_ENABLE_MTP_VARLEN": "0|1|true|false: confidence-scheduled variable verification",
     "DEEPINFER_CPU_THREADS": "int >= 1: torch intra-op threads on CPU (default: 1 for small models)",
     "DEEPINFER_CACHE_DIR": "where the embedded default checkpoint is written (default ~/.cache/deepinfer)",
+    "DEEPINFER_TEST_SEED": "tests only: replay a failing test's random seed",
 }
 # env var -> EngineConfig field it sets
 _ENV_FIELDS: dict[str, str] = {
@@ -245,6 +246,12 @@ class EngineConfig:
         if self.accelerator not in ACCELERATORS:
             fail("accelerator", f"one of {list(ACCELERATORS) + ['auto']}", self.accelerator)
         check_int("num_speculative_tokens", 0)
+        if self.batch_invariant and self.enable_mtp_varlen:  # as DeepInfer: no varlen verify in the mode
+            raise ConfigError(
+                "batch-invariant mode (DEEPINFER_BATCH_INVARIANT=1 / batch_invariant=True) is incompatible "
+                "with confidence-scheduled variable-length verification (DEEPINFER_ENABLE_MTP_VARLEN=1 / "
+                "enable_mtp_varlen=True): its verify lengths depend on the other requests. "
+                "Set DEEPINFER_ENABLE_MTP_VARLEN=0, or DEEPINFER_BATCH_INVARIANT=0", field="enable_mtp_varlen")
         if self.async_scheduling:
             raise ConfigError("EngineConfig.async_scheduling=True is not implemented yet; "
                               "allowed: False", field="async_scheduling")
@@ -294,3 +301,7 @@ class EngineConfig:
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "EngineConfig\n" + "\n".join(lines)
+
+
+# The parallel engine's variables (EPLB, collective timeout) are declared beside their reader.
+from deepinfer.parallel import env as _parallel_env  # noqa: E402,F401  (registers DEEPINFER_EPLB_*)

@@ -23,7 +23,9 @@ from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer.errors import InvalidRequestError
 from deepinfer.metrics import MetricsCollector
-from deepinfer.models.kv_cache import GROUP_SWA, KVCache, group_names
+from deepinfer.models.bounded_replay import ReplayConfig
+from deepinfer.models.kv_cache import group_names
+from deepinfer.models.kv_cache_v41 import WINDOW_GROUPS, new_kv_cache
 from deepinfer.models.loader import load_model
 from deepinfer.models.tiny import default_checkpoint_dir
 from deepinfer.outputs import RequestMetrics, RequestOutput
@@ -37,7 +39,18 @@ from deepinfer.tokenizer import Tokenizer, load_tokenizer
 class LLM:
     """An engine instance: model, KV cache, scheduler and runner in one process."""
 
+    def __new__(cls, *args: object, **kwargs: object) -> LLM:
+        """``data_parallel_size`` / ``expert_parallel_size`` > 1 builds the multi-process
+        engine instead (`deepinfer.parallel.dp_engine.DPLLM`, a subclass of this one)."""
+        sizes = (kwargs.get("data_parallel_size", 1), kwargs.get("expert_parallel_size", 1))
+        if cls is LLM and any(isinstance(n, int) and not isinstance(n, bool) and n > 1 for n in sizes):
+            from deepinfer.parallel.dp_engine import DPLLM
+            return super().__new__(DPLLM)
+        return super().__new__(cls)
+
     def __init__(self, model: str | None = None, tokenizer: str | None = None, **kwargs: object) -> None:
+        # V4.1 SWA bounded replay: kwargs swa_replay_mode / swa_replay_keep or DEEPINFER_SWA_REPLAY_*
+        self.replay = ReplayConfig.resolve(kwargs)
         self.config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **kwargs)
         self.init_model()
         self.init_tokenizer()
@@ -59,6 +72,7 @@ class LLM:
             if threads is not None:
                 torch.set_num_threads(threads)
         self.config = cfg.resolve_max_model_len(self.model_config.max_position_embeddings)
+        self.replay.validate_for(self.model_config)  # keep >= window + backtracking, V4.1 only
 
     def init_tokenizer(self) -> None:
         self.tokenizer: Tokenizer = load_tokenizer(self.config.tokenizer or self.model_dir)
@@ -67,15 +81,23 @@ class LLM:
     def init_cache_and_scheduler(self) -> None:
         cfg, mcfg = self.config, self.model_config
         blocks = num_kv_blocks(cfg, mcfg, self.model.dtype, self.device, cfg.max_model_len)
-        self.kv_cache = KVCache(mcfg, blocks, cfg.block_size, cfg.max_num_seqs, self.model.dtype, self.device)
-        groups = [KVCacheGroupSpec(g, mcfg.sliding_window if g == GROUP_SWA else None) for g in group_names(mcfg)]
+        self.kv_cache = new_kv_cache(mcfg, blocks, cfg.block_size, cfg.max_num_seqs, self.model.dtype, self.device)
+        groups = [KVCacheGroupSpec(g, mcfg.sliding_window if g in WINDOW_GROUPS else None)
+                  for g in group_names(mcfg)]
+        replay = self.replay if self.replay.active else None
         self.kv_manager = HybridKVCacheManager(groups, blocks, cfg.block_size, cfg.max_num_seqs,
-                                               cfg.enable_prefix_caching)
+                                               cfg.enable_prefix_caching,
+                                               hit_limit=replay.hit_limit if replay else None)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, cfg.block_size,
                             cfg.chunked_prefill, cfg.enable_prefix_caching),
             self.kv_manager)
         self.runner = ModelRunner(self.model, self.kv_cache)
+        self.runner.batch_invariant = cfg.batch_invariant  # deepinfer/batch_invariant.py
+        self.runner.replay = replay
+        if cfg.num_speculative_tokens > 0:  # DEEPINFER_USE_NEXTN_DECODE: MTP / DSpark drafts, lossless verify
+            from deepinfer.spec import setup as setup_speculative
+            setup_speculative(self)
         # grammars compile in worker threads; xgrammar itself loads on the first constrained request
         self.structured = StructuredOutputManager(self.tokenizer, mcfg.vocab_size, self.eos_token_id,
                                                   self.device, cfg.max_num_seqs)
@@ -145,6 +167,7 @@ class LLM:
                     f"got {len(params)} sampling_params for {len(items)} prompts; pass one or one per prompt")
         if not all(isinstance(p, SamplingParams) for p in params):
             raise InvalidRequestError("sampling_params must be SamplingParams objects")
+        params = [p.for_request() for p in params]  # unseeded params: a fresh seed per request
         self._check_lengths(items)
         self.structured.check(params)  # bad / unsupported grammars raise here, before anything is queued
         reqs, detoks = [], {}
@@ -159,7 +182,7 @@ class LLM:
                                                         sp.include_stop_str_in_output)
         bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm)
         try:
-            while self.scheduler.has_unfinished() or self.structured.has_pending():
+            while self._keep_stepping():
                 self.step(detoks, bar)
         except BaseException:
             for req in reqs:  # never leave this call's requests behind in the engine
@@ -170,6 +193,10 @@ class LLM:
             bar.close()
             self.structured.release([r.req_id for r in reqs])
         return [self._output(text, req, detoks[req.req_id]) for (text, _), req in zip(items, reqs)]
+
+    def _keep_stepping(self) -> bool:
+        """Whether generate() runs another step (data-parallel ranks also ask their peers)."""
+        return self.scheduler.has_unfinished() or self.structured.has_pending()
 
     def chat(self, messages, sampling_params=None, thinking: bool | None = None, tools=None,
              use_tqdm: bool = True) -> list:
@@ -187,6 +214,8 @@ class LLM:
         runner_out = self.runner.execute(sched_out, grammar=self.structured.batch(sched_out))
         with phase(UPDATE):
             touched = self.scheduler.update(sched_out, runner_out)
+            if self.runner.spec is not None:  # drafts for the next step go to running requests
+                self.runner.spec.attach(self.scheduler)
         for req in touched:
             if self.structured.advance(req) and not req.is_finished:  # grammar done (EOS accepted)
                 self.scheduler.finish_request(req.req_id, "stop")

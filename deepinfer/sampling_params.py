@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import copy
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from deepinfer.errors import InvalidRequestError, range_message
+from deepinfer.structured.spec import spec_from_params
 
 __all__ = [
     "SamplingParams",
@@ -25,6 +27,7 @@ __all__ = [
     "MAX_TOP_LOGPROBS",
     "SO_SCHEMA_TYPES",
     "SO_ARGS_KEYS",
+    "SO_ARGS_REQUIRED_KEYS",
 ]
 
 #: Temperatures strictly below this value mean greedy (argmax) decoding.
@@ -35,8 +38,11 @@ MAX_TOP_LOGPROBS: int = 20
 MAX_SEQ_SEED: int = 2**64 - 1
 #: Allowed ``so_args["schema_type"]`` values.
 SO_SCHEMA_TYPES: tuple[str, ...] = ("json", "regex", "ebnf")
-#: Keys accepted in ``so_args`` (extend here when structured output grows).
-SO_ARGS_KEYS: tuple[str, ...] = ("schema_type", "schema")
+#: Keys accepted in ``so_args`` (extend here when structured output grows);
+#: ``trigger`` (text or token ids) switches the grammar on mid-generation.
+SO_ARGS_KEYS: tuple[str, ...] = ("schema_type", "schema", "trigger")
+#: Keys ``so_args`` must have.
+SO_ARGS_REQUIRED_KEYS: tuple[str, ...] = ("schema_type", "schema")
 
 _P = "SamplingParams."
 
@@ -100,8 +106,13 @@ class SamplingParams:
         include_stop_str_in_output: keep the matched stop string in the text.
         skip_special_tokens: drop special tokens when detokenising.
         so_args: structured-output spec ``{"schema_type": "json"|"regex"|"ebnf",
-            "schema": ...}``; only its shape is validated here.
-        structured_output: reserved for a compiled grammar (not validated).
+            "schema": ..., "trigger": optional text or token ids}``; only its shape
+            is validated here.
+        structured_output: a :class:`~deepinfer.structured.StructuredOutputSpec` or a
+            dict ``{"json": schema}`` / ``{"regex": ...}`` / ``{"ebnf": ...}`` /
+            ``{"json_object": True}`` (+ optional ``"trigger"``, ``"any_whitespace"``);
+            normalised to a spec, also when given through ``so_args``. Support
+            of the schema itself is checked at ``LLM.generate`` admission.
     """
 
     temperature: float = 1.0
@@ -146,6 +157,9 @@ class SamplingParams:
         self.ignore_eos = _bool_field("ignore_eos", self.ignore_eos)
         self.top_logprobs = _int_field("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS,
                                        f"in [0, {MAX_TOP_LOGPROBS}]")
+        # Remember whether the seed was drawn here: an engine gives each request that shares
+        # such a params object its own draw (else n copies of a prompt would sample alike).
+        self._seed_drawn = self.seq_seed is None
         if self.seq_seed is None:
             self.seq_seed = secrets.randbits(64)
         self.seq_seed = _int_field("seq_seed", self.seq_seed, 0, MAX_SEQ_SEED,
@@ -154,6 +168,16 @@ class SamplingParams:
                                                       self.include_stop_str_in_output)
         self.skip_special_tokens = _bool_field("skip_special_tokens", self.skip_special_tokens)
         self._validate_so_args(self.so_args)
+        self.structured_output = spec_from_params(self)
+
+    def for_request(self) -> "SamplingParams":
+        """The params one request uses: itself when the seed was given, else a copy with a
+        fresh seed (reported back in the request's output so the run can be replayed)."""
+        if not getattr(self, "_seed_drawn", False):
+            return self
+        clone = copy.copy(self)
+        clone.seq_seed = secrets.randbits(64)
+        return clone
 
     @property
     def is_greedy(self) -> bool:
@@ -196,7 +220,7 @@ class SamplingParams:
         if not isinstance(so_args, dict):
             raise InvalidRequestError(range_message(name, shape, so_args), field="so_args")
         unknown = sorted(set(so_args) - set(SO_ARGS_KEYS), key=str)
-        missing = [k for k in SO_ARGS_KEYS if k not in so_args]
+        missing = [k for k in SO_ARGS_REQUIRED_KEYS if k not in so_args]
         if unknown or missing:
             raise InvalidRequestError(
                 f"{name} must be {shape}; unknown keys {unknown}, missing keys {missing}",

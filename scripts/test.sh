@@ -18,9 +18,10 @@ bash scripts/bootstrap.sh
 
 # What a bare `scripts/test.sh` runs.
 TARGETS=(tests)
-# Notebooks: once notebooks/*.ipynb run headless on CPU, add them here, e.g.
-#   TARGETS+=(--nbval-lax notebooks/)
-# (nbval comes with the `workbench` extra.)
+# Notebooks run top to bottom on CPU (nbval, from the `workbench` extra); their assert
+# cells fail the run. Outputs are not compared (--nbval-lax); notebooks/conftest.py skips
+# plotly/widget MIME types and the sanitize file masks timings for cells that opt in.
+TARGETS+=(--nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks/)
 
 if [[ $# -eq 0 ]]; then
     set -- "${TARGETS[@]}"

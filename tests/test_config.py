@@ -40,9 +40,10 @@ def test_gpu_kv_budget_left_to_memory_utilization() -> None:
 @pytest.mark.parametrize("raw,value", [("1", True), ("0", False), ("TRUE", True),
                                        ("false", False), ("True", True)])
 def test_env_bools(raw: str, value: bool) -> None:
-    c = EngineConfig.from_kwargs(environ={"DEEPINFER_BATCH_INVARIANT": raw,
-                                          "DEEPINFER_ENABLE_MTP_VARLEN": raw})
-    assert c.batch_invariant is value and c.enable_mtp_varlen is value
+    # one at a time: both on together is rejected (tests/test_batch_invariance.py)
+    c = EngineConfig.from_kwargs(environ={"DEEPINFER_BATCH_INVARIANT": raw})
+    m = EngineConfig.from_kwargs(environ={"DEEPINFER_ENABLE_MTP_VARLEN": raw})
+    assert c.batch_invariant is value and m.enable_mtp_varlen is value
     assert c.sources["batch_invariant"] == "env DEEPINFER_BATCH_INVARIANT"
 
 

@@ -164,3 +164,14 @@ def test_top_logprobs_are_reported(ckpt):
     plain = llm.generate(prompt_token_ids=[[4, 5, 6, 7]], use_tqdm=False,
                          sampling_params=SamplingParams(temperature=0, max_tokens=5))[0]
     assert plain.top_logprobs is None and plain.token_ids == out.token_ids
+
+
+def test_shared_unseeded_params_give_each_request_its_own_seed(ckpt):
+    llm = make_llm(ckpt)
+    outs = llm.generate(prompt_token_ids=[[9, 9, 9]] * 4, use_tqdm=False,
+                        sampling_params=SamplingParams(temperature=1.0, max_tokens=8))
+    assert len({o.seq_seed for o in outs}) == 4
+    assert len({tuple(o.token_ids) for o in outs}) > 1, "four unseeded samples of one prompt should differ"
+    seeded = llm.generate(prompt_token_ids=[[9, 9, 9]] * 2, use_tqdm=False,
+                          sampling_params=SamplingParams(temperature=1.0, max_tokens=8, seq_seed=7))
+    assert seeded[0].token_ids == seeded[1].token_ids and seeded[0].seq_seed == 7

@@ -130,6 +130,8 @@ def test_so_args_valid(so_args: dict) -> None:
     assert SamplingParams(so_args=so_args).so_args == so_args
 
 
-def test_structured_output_reserved_is_unvalidated() -> None:
-    marker = object()
-    assert SamplingParams(structured_output=marker).structured_output is marker
+def test_structured_output_is_validated() -> None:
+    # no longer a reserved opaque field: it is normalised to a StructuredOutputSpec
+    # (full coverage in tests/test_structured_spec.py)
+    with pytest.raises(InvalidRequestError, match="structured_output"):
+        SamplingParams(structured_output=object())

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import math
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from deepinfer.engine.block_pool import BlockPool
@@ -50,6 +51,7 @@ class HybridKVCacheManager:
         max_num_seqs: int,
         enable_prefix_caching: bool = True,
         hit_alignment: int = 1,
+        hit_limit: Callable[[Request], int] | None = None,
     ) -> None:
         """``hit_alignment`` (tokens): prefix hits are multiples of
         lcm(block_size, hit_alignment). Set it to the largest compression ratio
@@ -62,6 +64,8 @@ class HybridKVCacheManager:
         self.max_num_seqs = max_num_seqs
         self.enable_prefix_caching = enable_prefix_caching
         self._hit_step = math.lcm(block_size, hit_alignment) // block_size  # in blocks
+        # Longest usable hit (tokens) per request, e.g. V4.1 bounded replay's cut; None = no cap.
+        self.hit_limit = hit_limit
         self.pools = {g.name: BlockPool(num_blocks[g.name]) for g in groups}
         self._free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))  # pop() -> 0 first
         # Per request: how many leading blocks already went through cache_blocks.
@@ -105,6 +109,8 @@ class HybridKVCacheManager:
         assert request.num_computed_tokens == 0, "prefix lookup only on (re)admission"
         hashes = self._update_hashes(request)
         max_k = min(len(hashes), (request.num_tokens - 1) // self.block_size)
+        if self.hit_limit is not None:
+            max_k = min(max_k, max(0, self.hit_limit(request)) // self.block_size)
         # Full groups: the hit is prefix-closed, so scan forward.
         k = max_k - max_k % self._hit_step
         for g in self.groups:
@@ -191,7 +197,9 @@ class HybridKVCacheManager:
         """
         if not self.enable_prefix_caching:
             return
-        n_full = request.num_computed_tokens // self.block_size
+        # min(): accepted speculative tokens count as computed a moment before they are
+        # appended; only blocks whose tokens are known get a hash.
+        n_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         done = self._num_cached_blocks.get(request.req_id, 0)
         if n_full <= done:
             return

@@ -7,12 +7,19 @@ same `execute` contract.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from deepinfer import batch_invariant
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.sampler import Sampler, SamplingTensors
 from deepinfer.models.deepseek_v4 import DeepseekV4Model
 from deepinfer.models.kv_cache import ForwardBatch, KVCache, SeqMeta
+from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, phase
+
+if TYPE_CHECKING:
+    from deepinfer.structured.batch import StructuredOutputBatch
 
 
 class ModelRunner:
@@ -23,40 +30,55 @@ class ModelRunner:
         self.model, self.cache = model, cache
         self.device = cache.swa[0].device
         self.sampler = Sampler()
+        #: Run every step in batch-invariant mode (LLM sets it from EngineConfig.batch_invariant).
+        self.batch_invariant = False
+        self.replay = None  # V4.1 SWA bounded replay (models.bounded_replay.ReplayConfig), set by the engine
+        self.spec = None  # speculative decoding (deepinfer.spec.runner.SpecDecoder), set by deepinfer.spec.setup
 
     def build_batch(self, so: SchedulerOutput) -> ForwardBatch:
         ids: list[int] = []
         positions: list[int] = []
         seqs: list[SeqMeta] = []
         for req in so.scheduled:
-            seqs.append(SeqMeta(req.start_pos, req.num_tokens, len(ids), req.block_table, req.state_slot, req.is_new))
+            seqs.append(SeqMeta(req.start_pos, req.num_tokens, len(ids), req.block_table, req.state_slot, req.is_new,
+                                req.num_prompt_tokens))
             ids.extend(req.token_ids)
             positions.extend(range(req.start_pos, req.start_pos + req.num_tokens))
         return ForwardBatch(torch.tensor(ids, dtype=torch.long, device=self.device),
-                            torch.tensor(positions, dtype=torch.long, device=self.device), seqs)
+                            torch.tensor(positions, dtype=torch.long, device=self.device), seqs, self.replay)
 
     @torch.no_grad()
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. Every request whose chunk reaches its last known token samples
+    @batch_invariant.scoped  # the whole step (model, logits, sampler) in the runner's mode
+    def execute(self, so: SchedulerOutput, grammar: StructuredOutputBatch | None = None) -> ModelRunnerOutput:
+        """Run one step. ``grammar`` (structured output) masks its requests' logits
+        rows in place before sampling. Every request whose chunk reaches its last known token samples
         one token from the logits of its last row."""
+        if self.spec is not None:  # verify drafts + draft the next ones (deepinfer/spec/runner.py)
+            return self.spec.execute(self, so, grammar)
         req_ids = [r.req_id for r in so.scheduled]
         sampled: list[list[int]] = [[] for _ in so.scheduled]
         if not so.scheduled:
             return ModelRunnerOutput(req_ids, sampled)
-        batch = self.build_batch(so)
-        streams = self.model(batch, self.cache)
+        with phase(PREPARE_INPUTS):
+            batch = self.build_batch(so)
+        with phase(MODEL):
+            streams = self.model(batch, self.cache)
         picks = [i for i, r in enumerate(so.scheduled) if r.needs_sample]
         logprobs: list[list[float]] = [[] for _ in so.scheduled]
         tops: list[list[list[tuple[int, float]]]] = [[] for _ in so.scheduled]
         any_top = any(so.scheduled[i].sampling_params.top_logprobs for i in picks)
         if picks:
             rows = torch.tensor([batch.seqs[i].offset + batch.seqs[i].length - 1 for i in picks], device=self.device)
-            logits = self.model.compute_logits(streams[rows])
+            with phase(LOGITS):
+                logits = self.model.compute_logits(streams[rows])
+            if grammar is not None:  # host fill overlaps the async forward on a GPU
+                grammar.apply(logits, [so.scheduled[i].req_id for i in picks])
             reqs = [so.scheduled[i] for i in picks]
             params = SamplingTensors.from_params([r.sampling_params for r in reqs],
                                                  [r.start_pos + r.num_tokens for r in reqs], self.device)
-            out = self.sampler.sample(logits, params)
-            tokens, lps = out.token_ids.tolist(), out.logprobs.tolist()
+            with phase(SAMPLE):  # .tolist() is where the host waits for the device
+                out = self.sampler.sample(logits, params)
+                tokens, lps = out.token_ids.tolist(), out.logprobs.tolist()
             top_ids = top_vals = None
             if out.top_logprobs is not None:
                 top_ids, top_vals = out.top_logprobs[0].tolist(), out.top_logprobs[1].tolist()

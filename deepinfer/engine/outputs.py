@@ -32,6 +32,8 @@ class ScheduledRequest:
             samples one token (more with speculative decoding).
         sampling_params: the request's SamplingParams (opaque here).
         output_len: tokens generated so far (before this step).
+        num_prompt_tokens: the request's prompt length (V4.1 bounded replay keeps the
+            decoder layers' prefill to the last ``keep`` prompt positions).
     """
 
     req_id: str
@@ -43,6 +45,10 @@ class ScheduledRequest:
     needs_sample: bool
     sampling_params: Any
     output_len: int
+    num_prompt_tokens: int = 0
+    #: speculative decoding: the last ``num_draft_tokens`` of ``token_ids`` are drafts to
+    #: verify (``needs_sample`` is then True); the runner returns 1..num_draft_tokens + 1 tokens.
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

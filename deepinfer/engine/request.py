@@ -88,6 +88,11 @@ class Request:
         self.block_table: dict[str, list[int]] = {}
         self.state_slot: int | None = None
         self.block_hashes: list[bytes] = []
+        # Speculative decoding (deepinfer/spec): draft tokens proposed after the last step,
+        # verified in the next one; never outputs until accepted. Confidences, when the
+        # drafter has them, are survival probabilities per draft (confidence scheduling).
+        self.draft_token_ids: list[int] = []
+        self.draft_confidences: list[float] = []
 
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -28,6 +28,8 @@ class SchedulerConfig:
     block_size: int
     chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    #: positions past the last draft a drafter writes (MTP drafts 2..k); reserved with every sampling chunk
+    num_lookahead_tokens: int = 0
 
 
 class Scheduler:
@@ -106,23 +108,44 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Drop all KV of ``req``; it will recompute prompt + outputs later."""
         self.kv.free(req)
+        req.draft_token_ids, req.draft_confidences = [], []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.waiting.appendleft(req)  # first in line: it arrived before every waiter
 
-    def _scheduled(self, req: Request, n: int, is_new: bool) -> ScheduledRequest:
+    def _num_drafts(self, req: Request, n: int, remaining: int, budget: int) -> int:
+        """Drafts to verify with this chunk: only a chunk that reaches the last known token,
+        capped by the token budget, max_tokens (accepted + 1 new tokens <= what is left) and
+        max_model_len (every position written stays below it)."""
+        if not req.draft_token_ids or n < remaining:
+            return 0
+        left = getattr(req.sampling_params, "max_tokens", None)
+        cap = min(len(req.draft_token_ids), budget - n, self.config.max_model_len - req.num_tokens - 1)
+        if left is not None:
+            cap = min(cap, left - req.num_output_tokens - 1)
+        return max(0, cap)
+
+    def _lookahead(self, req: Request, n: int, remaining: int, k: int) -> int:
+        """Extra block room for the drafter's speculative rows, below max_model_len."""
+        if not self.config.num_lookahead_tokens or n < remaining:
+            return 0
+        return max(0, min(self.config.num_lookahead_tokens, self.config.max_model_len - req.num_tokens - k))
+
+    def _scheduled(self, req: Request, n: int, is_new: bool, num_drafts: int = 0) -> ScheduledRequest:
         start = req.num_computed_tokens
         return ScheduledRequest(
             req_id=req.req_id,
-            token_ids=req.all_token_ids[start : start + n],
+            token_ids=req.all_token_ids[start : start + n] + req.draft_token_ids[:num_drafts],
+            num_draft_tokens=num_drafts,
             start_pos=start,
             block_table={g: list(t) for g, t in req.block_table.items()},
             state_slot=req.state_slot,  # type: ignore[arg-type]
             is_new=is_new,
-            needs_sample=start + n == req.num_tokens,
+            needs_sample=start + n == req.num_tokens,  # n counts real tokens only
             sampling_params=req.sampling_params,
             output_len=req.num_output_tokens,
+            num_prompt_tokens=req.num_prompt_tokens,
         )
 
     # ------------------------------------------------------------- schedule
@@ -147,15 +170,17 @@ class Scheduler:
             if remaining <= 0 or (n < remaining and not cfg.chunked_prefill):
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req, n):
+            k = self._num_drafts(req, n, remaining, budget)  # speculative decoding: verify k drafts
+            while not self.kv.allocate_slots(req, n + k + self._lookahead(req, n, remaining, k)):
                 victim = self.running.pop()  # most recently arrived
                 self._preempt(victim)
                 out.preempted_req_ids.append(victim.req_id)
                 if victim is req:
                     break
             else:
-                out.scheduled.append(self._scheduled(req, n, is_new=False))
-                budget -= n
+                out.scheduled.append(self._scheduled(req, n, is_new=False, num_drafts=k))
+                req.draft_token_ids, req.draft_confidences = [], []  # consumed: new ones come after verify
+                budget -= n + k
                 i += 1
 
         # 2. WAITING requests in FCFS order while budget, seats and blocks allow.
@@ -168,7 +193,7 @@ class Scheduler:
             n = min(remaining, budget)
             if n < remaining and not cfg.chunked_prefill:
                 break  # keep FCFS: it gets a fuller budget in a later step
-            if not self.kv.allocate_slots(req, n, hit_blocks, num_hit):
+            if not self.kv.allocate_slots(req, n + self._lookahead(req, n, remaining, 0), hit_blocks, num_hit):
                 break
             self.waiting.popleft()
             req.num_computed_tokens = num_hit
@@ -192,10 +217,14 @@ class Scheduler:
             req = self.requests.get(sched.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted / preempted between schedule() and update()
-            req.num_computed_tokens += sched.num_tokens
-            self.kv.cache_blocks(req)
             k = index.get(sched.req_id)
             tokens = runner_output.sampled_token_ids[k] if k is not None else []
+            # KV is valid for the fed real tokens and the ACCEPTED drafts only (vLLM v1's
+            # rule: the last returned token is new, its KV comes next step). Blocks of the
+            # accepted drafts are registered once their tokens are appended (below).
+            accepted = min(max(0, len(tokens) - 1), sched.num_draft_tokens)
+            req.num_computed_tokens += sched.num_tokens - sched.num_draft_tokens + accepted
+            self.kv.cache_blocks(req)
             if bool(tokens) != sched.needs_sample:
                 raise ValueError(
                     f"runner returned {len(tokens)} tokens for {sched.req_id!r} "
@@ -213,10 +242,15 @@ class Scheduler:
                 )
                 stop = check_stop(req, self.config.max_model_len)
                 if stop is not None:  # tokens after a stop (speculative) are dropped
+                    if accepted:
+                        self.kv.cache_blocks(req)
                     req.stop_reason = stop[1]
                     self.running.remove(req)
                     self._finish(req, stop[0])
                     break
+            else:
+                if accepted:
+                    self.kv.cache_blocks(req)
             touched.append(req)
         return touched
 

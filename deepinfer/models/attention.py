@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from deepinfer import batch_invariant
+
+from . import invariant_attention
 from .compressor import Compressor, CompressorStore, Indexer, read_entries
 from .config import DeepseekV4Config
 from .kv_cache import GROUP_CSA, GROUP_HCA, GROUP_SWA, ForwardBatch, KVCache, SeqMeta, gather_rows, scatter_rows
@@ -113,6 +116,10 @@ class Attention(nn.Module):
                 masks.append(mask)
             elif self.indexer is not None:  # keep the indexer's ring in step
                 self.indexer.compressor(x, seq, index_store, ctx.rotary_compress, cache.block_size)
+        if batch_invariant.enabled():  # one key order per query, whatever the chunk
+            entries, entry_mask = (parts[1], masks[1]) if len(parts) > 1 else (None, None)
+            return invariant_attention.attend(q, pos, keys, k_lo, self.window, entries, entry_mask,
+                                              self.attn_sink, self.head_dim ** -0.5)
         kv_all = torch.cat(parts)  # [Lk + n, D]
         mask = torch.cat(masks, dim=1)  # [L, Lk + n]
         logits = torch.einsum("lhd,kd->lhk", q, kv_all) * self.head_dim ** -0.5

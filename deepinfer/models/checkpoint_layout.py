@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 _FP8 = re.compile(
-    r"(^|\.)(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]|e_proj|h_proj|main_proj)\.weight$"
+    r"(^|\.)(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]|e_proj|h_proj|main_proj|engram\.(wkv|embed))\.weight$"
 )
 _FP4 = re.compile(r"(^|\.)ffn\.experts\.\d+\.w[123]\.weight$")
 

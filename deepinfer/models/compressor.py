@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from deepinfer import batch_invariant
+
+from . import invariant_ops
 from .kv_cache import SeqMeta, gather_rows, scatter_rows
 from .linear import Linear
 from .norm import RMSNorm
@@ -65,16 +68,17 @@ class Compressor(nn.Module):
         ring = store.ring[seq.slot]
         if seq.is_new:
             self._reset_ring(ring, seq, store, block_size)
-        hist = torch.arange(lo, s, device=x.device) % self.ring_len
+        ring_len = ring.shape[0]  # >= self.ring_len: speculative decoding widens it (deepinfer/spec/kv.py)
+        hist = torch.arange(lo, s, device=x.device) % ring_len
         kv_seq = torch.cat([ring[hist, 0].to(kv.dtype), kv])
         sc_seq = torch.cat([ring[hist, 1], sc.float()])
         w_a, w_b = s // r, e // r - 1
         if w_b >= w_a:
             entries = self._pool(kv_seq, sc_seq, lo, w_a, w_b, rotary)
             scatter_rows(store.entries, seq.block_table[store.group], w_a, entries)
-        keep = torch.arange(max(lo, e - self.ring_len), e, device=x.device)
-        ring[keep % self.ring_len, 0] = kv_seq[keep - lo].float()
-        ring[keep % self.ring_len, 1] = sc_seq[keep - lo]
+        keep = torch.arange(max(lo, e - ring_len), e, device=x.device)
+        ring[keep % ring_len, 0] = kv_seq[keep - lo].float()
+        ring[keep % ring_len, 1] = sc_seq[keep - lo]
         if store.tail is not None:
             self._save_tails(kv_seq, sc_seq, lo, s, e, seq, store, block_size)
         return e // r
@@ -110,7 +114,7 @@ class Compressor(nn.Module):
             return
         r, d = self.ratio, self.dim
         block = seq.block_table[store.group][seq.start // block_size - 1]
-        rows = torch.arange(seq.start - r, seq.start, device=ring.device) % self.ring_len
+        rows = torch.arange(seq.start - r, seq.start, device=ring.device) % ring.shape[0]
         ring[rows, 0, :d] = store.tail[block, :, 0]
         ring[rows, 1, :d] = store.tail[block, :, 1]
         ring[rows, 1, d:] = float("-inf")  # Cb of a complete window is never read again
@@ -150,9 +154,16 @@ class Indexer(nn.Module):
         q = self.wq_b(q_residual).view(-1, self.n_heads, self.dim)
         cos, sin = rotary.cos_sin(positions, q.dtype)
         q = apply_rope(q, cos, sin)
-        scores = torch.relu(torch.einsum("lhd,nd->lhn", q.float(), keys.float())) * self.dim ** -0.5
         weights = self.weights_proj(x).float() * self.n_heads ** -0.5
-        index_scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [L, n]
+        if batch_invariant.enabled():  # queries and keys both blocked; heads summed in order
+            flat = invariant_ops.matmul_nt(q.float().reshape(-1, self.dim), keys.float())
+            scores = torch.relu(flat.view(q.shape[0], self.n_heads, n_entries)) * self.dim ** -0.5
+            index_scores = scores[:, 0] * weights[:, 0, None]
+            for h in range(1, self.n_heads):
+                index_scores = index_scores + scores[:, h] * weights[:, h, None]
+        else:
+            scores = torch.relu(torch.einsum("lhd,nd->lhn", q.float(), keys.float())) * self.dim ** -0.5
+            index_scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [L, n]
         limit = (positions + 1) // self.ratio  # entries a query may see
         future = torch.arange(n_entries, device=x.device)[None, :] >= limit[:, None]
         index_scores = index_scores.masked_fill(future, float("-inf"))

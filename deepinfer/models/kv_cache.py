@@ -31,6 +31,7 @@ class SeqMeta:
     block_table: dict[str, list[int]]
     slot: int
     is_new: bool = False  # first chunk since admission: reset/restore the state slot
+    prompt_len: int = 0  # the request's prompt length (V4.1 bounded replay; 0 = unknown)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     seqs: list[SeqMeta] = field(default_factory=list)
+    replay: object | None = None  # V4.1 SWA bounded replay (bounded_replay.ReplayConfig)
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +50,9 @@ class ForwardBatch:
 
 def group_names(cfg: DeepseekV4Config) -> list[str]:
     """KV groups this config needs (a group with no layers is omitted)."""
+    if getattr(cfg, "is_v41", False):
+        from .kv_cache_v41 import group_names_v41
+        return group_names_v41(cfg)
     names = [GROUP_SWA]
     if cfg.csa_layers:
         names.append(GROUP_CSA)
@@ -64,6 +69,9 @@ def check_block_size(cfg: DeepseekV4Config, block_size: int) -> None:
 
 def block_bytes(cfg: DeepseekV4Config, block_size: int, dtype: torch.dtype) -> dict[str, int]:
     """Bytes one physical block of each group takes, summed over its layers."""
+    if getattr(cfg, "is_v41", False):
+        from .kv_cache_v41 import block_bytes_v41
+        return block_bytes_v41(cfg, block_size, dtype)
     elt = torch.empty((), dtype=dtype).element_size()
     n_swa = cfg.num_hidden_layers + len(cfg.mtp_compress_ratios)
     out = {GROUP_SWA: n_swa * block_size * cfg.head_dim * elt}
@@ -79,6 +87,9 @@ def block_bytes(cfg: DeepseekV4Config, block_size: int, dtype: torch.dtype) -> d
 
 def slot_bytes(cfg: DeepseekV4Config, dtype: torch.dtype) -> int:
     """Bytes of one request's compressor state slot (kept in float32)."""
+    if getattr(cfg, "is_v41", False):
+        from .kv_cache_v41 import slot_bytes_v41
+        return slot_bytes_v41(cfg, dtype)
     elt = 4
     csa = 2 * cfg.csa_ratio * 2 * 2 * (cfg.head_dim + cfg.index_head_dim)
     hca = cfg.hca_ratio * 2 * cfg.head_dim

@@ -13,6 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer import batch_invariant
+
+from . import invariant_ops
+
 
 @dataclass
 class QuantizedWeight:
@@ -35,6 +39,8 @@ class Linear(nn.Module):
         self.quantized: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if batch_invariant.enabled():  # fixed-shape GEMMs (invariant_ops.linear)
+            return invariant_ops.linear(x, self.weight)
         return F.linear(x, self.weight)
 
     def extra_repr(self) -> str:
@@ -53,5 +59,7 @@ class GroupedLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, groups, in_per_group] -> [T, groups * rank]."""
         w = self.weight.view(self.groups, -1, self.in_features)  # [G, rank, in]
+        if batch_invariant.enabled():
+            return invariant_ops.grouped_linear(x, w)
         y = torch.bmm(x.transpose(0, 1), w.transpose(1, 2))  # [G, T, rank]
         return y.transpose(0, 1).reshape(x.shape[0], -1)

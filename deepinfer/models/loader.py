@@ -19,7 +19,9 @@ from tqdm.auto import tqdm
 
 from .checkpoint_layout import strip_prefix
 from .config import DeepseekV4Config
+from .config_v41 import read_model_config
 from .deepseek_v4 import DeepseekV4Model
+from .deepseek_v41 import build_model
 from .linear import Linear, QuantizedWeight
 from .quant import dequantize_fp4, dequantize_fp8_block, infer_block_size
 
@@ -74,10 +76,13 @@ def _dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor | None, dty
         if scale is None:
             raise CheckpointError(f"FP8 tensor {name} has no companion {name[:-len('weight')]}scale")
         try:
-            block = infer_block_size(tuple(weight.shape), tuple(scale.shape))
+            if name.endswith("engram.embed.weight"):  # V4.1 Engram tables: one scale per row and 32
+                block = (1, 32)
+            else:
+                block = infer_block_size(tuple(weight.shape), tuple(scale.shape))
+            dense = dequantize_fp8_block(weight, scale, block, dtype=torch.float32).to(dtype)
         except ValueError as exc:
             raise CheckpointError(f"{name}: {exc}") from exc
-        dense = dequantize_fp8_block(weight, scale, block, dtype=torch.float32).to(dtype)
         return dense, QuantizedWeight("fp8", weight, scale, block)
     if weight.dtype == torch.int8 and name.endswith(".weight"):
         if scale is None:
@@ -104,6 +109,9 @@ def load_weights(model: DeepseekV4Model, path: str, strict: bool = True, show_pr
         if name.endswith(".scale") and name[: -len("scale")] + "weight" in raw:
             continue  # consumed with its weight
         if name not in params:
+            if name.startswith(getattr(model, "ignored_prefixes", ())):  # e.g. V4.1's vision tower
+                extra[name] = tensor
+                continue
             if name.startswith("mtp.") and int(name.split(".")[1]) >= len(model.mtp):
                 extra[name] = tensor  # stages beyond num_nextn_predict_layers: kept, unused
                 continue
@@ -146,11 +154,16 @@ def load_model(model_dir: str | None = None, dtype: str | torch.dtype = "auto", 
                show_progress: bool = False) -> DeepseekV4Model:
     """Build the model described by `model_dir`/config.json and load its weights."""
     path = resolve_model_dir(model_dir)
-    cfg = DeepseekV4Config.from_file(path)
+    cfg = read_model_config(path)
     torch_dtype = parse_dtype(dtype, cfg)
     with torch.device("meta"):
-        model = DeepseekV4Model(cfg, torch_dtype)
+        model = build_model(cfg, torch_dtype)
     model = model.to_empty(device=device)
     model.extra_tensors = load_weights(model, path, show_progress=show_progress)
+    if hasattr(model, "bind_engram_tokenizer"):
+        try:
+            model.bind_engram_tokenizer(path)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from exc
     model.model_dir = path
     return model.eval()

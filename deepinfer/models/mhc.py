@@ -9,8 +9,8 @@ the sublayer input, `post` spreads the sublayer output back over the streams and
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from . import invariant_ops
 from .norm import unweighted_rms_norm
 
 
@@ -19,12 +19,12 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     """streams: [T, N, D] -> (post [T, N], comb [T, N, N], collapsed [T, D]); float32 mixes."""
     n = streams.shape[1]
     flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), norm_eps)
-    mixes = F.linear(flat, fn.float())
+    mixes = invariant_ops.linear(flat, fn.float())
     pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.float().split([n, n, n * n])
     pre_s, post_s, comb_s = scale.float().unbind(0)
-    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps
-    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    pre = invariant_ops.sigmoid(pre_w * pre_s + pre_b) + hc_eps
+    post = 2 * invariant_ops.sigmoid(post_w * post_s + post_b)
     comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + hc_eps
     # Sinkhorn-Knopp: columns first, then alternate rows / columns.
     comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
@@ -45,5 +45,5 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
             hc_eps: float, norm_eps: float) -> torch.Tensor:
     """Final collapse of the streams before the output norm: [T, N, D] -> [T, D]."""
     flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), norm_eps)
-    pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
+    pre = invariant_ops.sigmoid(invariant_ops.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

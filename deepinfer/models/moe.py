@@ -8,15 +8,17 @@ MoE kernel replaces this behind the same module.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from deepinfer import batch_invariant
+
+from . import invariant_ops
 from .linear import Linear
 
 
 def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit): V4 clips pre-activations."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    return invariant_ops.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 class Expert(nn.Module):
@@ -35,9 +37,9 @@ class Expert(nn.Module):
 
 def score(logits: torch.Tensor, func: str) -> torch.Tensor:
     if func == "sqrtsoftplus":
-        return F.softplus(logits).sqrt()
+        return invariant_ops.softplus(logits).sqrt()
     if func == "sigmoid":
-        return logits.sigmoid()
+        return invariant_ops.sigmoid(logits)
     return logits.softmax(dim=-1)
 
 
@@ -59,7 +61,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D] -> (weights [T, k] float, expert ids [T, k] int64)."""
-        scores = score(F.linear(x, self.weight), self.func)
+        scores = score(invariant_ops.linear(x, self.weight), self.func)
         if self.is_hash:
             ids = self.tid2eid[input_ids].long()
         else:
@@ -85,6 +87,10 @@ class MoE(nn.Module):
         self.load_counter: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        # Batch-invariant as written once the linears are: each token's outputs are
+        # added in ascending expert id (a fixed order per token) by index_add_.
+        if batch_invariant.enabled() and (fused := batch_invariant.get_kernel("moe", x.device.type)):
+            return fused(self, x, input_ids)  # GPU: fused grouped GEMM with a fixed combine order
         weights, ids = self.gate(x, input_ids)
         out = torch.zeros_like(x)
         counts = torch.bincount(ids.flatten(), minlength=self.n_experts)

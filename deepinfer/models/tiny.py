@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from .checkpoint_layout import storage_format
 from .config import DeepseekV4Config
+from .config_v41 import DeepseekV41Config
 from .deepseek_v4 import DeepseekV4Model
 from .quant import quantize_fp4, quantize_fp8_block
 
@@ -58,6 +59,41 @@ def tiny_dspark_config(**overrides: object) -> DeepseekV4Config:
     return tiny_config(**base)
 
 
+def tiny_v41_config(**overrides: object) -> DeepseekV41Config:
+    """deepinfer-tiny-v41: the V4.1 schedule in miniature (8 layers: [0,0] + [2]*2 + [1]*4,
+    KV sources [2, 4], index sources [2, 4, 6], candidate pre-filter at 4, Engram at 1 and 2,
+    3 DSpark stages), small widths, the real vocabulary unless overridden."""
+    from .engram import engram_table_rows
+
+    base = dict(
+        vocab_size=129280, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, head_dim=64,
+        qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=128,
+        compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1], kv_source_layer_ids=[2, 4], index_source_layer_ids=[2, 4, 6],
+        candidate_source_layer_id=4, candidate_topk_blocks=8, candidate_block_size=8,
+        index_n_heads=4, index_head_dim=32, index_topk=16, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, moe_intermediate_size=32, hc_mult=4, hc_sinkhorn_iters=20,
+        engram_layer_ids=[1, 2], engram_vocab_size=101, engram_max_ngram_size=4, engram_n_heads=2,
+        engram_head_dim=32, engram_compressed_vocab_size=1000, engram_token_map="modulo",
+        num_nextn_predict_layers=3, dspark_block_size=5, dspark_target_layer_ids=[5, 6, 7], dspark_markov_rank=16,
+        dspark_n_routed_experts=4, dspark_num_experts_per_tok=2, rope_theta=10000.0, compress_rope_theta=160000.0,
+        rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                      "beta_fast": 32, "beta_slow": 1},
+        max_position_embeddings=65536, torch_dtype="float32",
+    )
+    base.update(overrides)
+    n_mtp = int(base["num_nextn_predict_layers"])
+    base.setdefault("mtp_compress_ratios", [0] * n_mtp)
+    if not n_mtp:
+        base["dspark_block_size"] = 0
+    vocab = int(base["vocab_size"])
+    base.setdefault("dspark_noise_token_id", 128799 if vocab > 128799 else vocab - 2)
+    cfg = DeepseekV41Config(**base)
+    if "engram_num_embeddings" not in overrides:
+        cfg.engram_num_embeddings = engram_table_rows(cfg)
+    cfg.validate()
+    return cfg
+
+
 @torch.no_grad()
 def init_random(model: DeepseekV4Model, seed: int) -> None:
     """Fill every parameter from a seeded generator with values that exercise each path:
@@ -74,6 +110,8 @@ def init_random(model: DeepseekV4Model, seed: int) -> None:
             val = 0.5 * torch.randn(p.shape, generator=gen)
         elif leaf == "ape":
             val = 0.3 * torch.randn(p.shape, generator=gen)
+        elif leaf in ("q_weight", "k_weight"):  # V4.1 Engram gate weights
+            val = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
         elif leaf.endswith("_fn"):
             val = 0.05 * torch.randn(p.shape, generator=gen)
         else:
@@ -94,7 +132,8 @@ def official_state_dict(model: DeepseekV4Model, quantize: bool, cfg: DeepseekV4C
         tensor = tensor.detach().cpu()
         fmt = storage_format(name, cfg.expert_dtype) if quantize else "dense"
         if fmt == "fp8":
-            weight, scale = quantize_fp8_block(tensor.float(), cfg.fp8_block or (128, 128))
+            block = (1, 32) if name.endswith("engram.embed.weight") else (cfg.fp8_block or (128, 128))
+            weight, scale = quantize_fp8_block(tensor.float(), block)  # Engram tables: one scale per row and 32
             out[name], out[name[: -len("weight")] + "scale"] = weight, scale
         elif fmt == "fp4":
             packed, scale = quantize_fp4(tensor.float(), 32)
@@ -109,7 +148,8 @@ def save_checkpoint(model: DeepseekV4Model, path: str, quantize: bool = False, m
     """Write config.json + sharded safetensors + index in the official layout."""
     cfg = model.cfg
     if quantize and cfg.fp8_block is None:
-        cfg = replace(cfg, fp8_block=(128, 128), expert_dtype="fp4")
+        block = (32, 32) if getattr(cfg, "is_v41", False) else (128, 128)  # V4.1 ships 32x32 FP8 blocks
+        cfg = replace(cfg, fp8_block=block, expert_dtype="fp4")
     os.makedirs(path, exist_ok=True)
     tensors = official_state_dict(model, quantize, cfg)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -151,7 +191,9 @@ def write_tiny_checkpoint(path: str, seed: int = 0, quantize: bool = False, cfg:
                           dtype: torch.dtype = torch.float32) -> str:
     """Build a random model for `cfg` (default: deepinfer-tiny), seed it and save it."""
     cfg = cfg or tiny_config()
-    model = DeepseekV4Model(cfg, dtype)
+    from .deepseek_v41 import build_model
+
+    model = build_model(cfg, dtype)
     init_random(model, seed)
     return save_checkpoint(model, path, quantize=quantize)
 
@@ -177,8 +219,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quantize", action="store_true", help="FP8 block-scaled linears + FP4 routed experts")
     parser.add_argument("--vocab-size", type=int, default=129280)
+    parser.add_argument("--v41", action="store_true", help="deepinfer-tiny-v41 (DeepSeek-V4.1 architecture)")
     args = parser.parse_args(argv)
-    cfg = tiny_config(vocab_size=args.vocab_size)
+    cfg = (tiny_v41_config if args.v41 else tiny_config)(vocab_size=args.vocab_size)
     print(write_tiny_checkpoint(args.out_dir, seed=args.seed, quantize=args.quantize, cfg=cfg))
 
 
