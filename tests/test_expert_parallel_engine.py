@@ -104,14 +104,16 @@ TORCHRUN_SCRIPT = '''
 import json, sys
 from deepinfer import SamplingParams
 from deepinfer.parallel.launcher import rank_llm_from_torchrun
-ckpt, prompts, max_tokens = json.loads(sys.argv[1])
+ckpt, prompts, max_tokens, out_dir = json.loads(sys.argv[1])
 llm = rank_llm_from_torchrun(ckpt, dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
                              num_redundant_experts=2, eplb_rebalance_interval=3)
 mine = list(range(llm.comm.rank, len(prompts), llm.comm.world_size))
 params = [SamplingParams(temperature=0, max_tokens=max_tokens[i], ignore_eos=True) for i in mine]
 outs = llm.generate_rank(prompt_token_ids=[prompts[i] for i in mine], sampling_params=params)
-print("RESULT " + json.dumps({"rank": llm.comm.rank, "index": mine, "tokens": [o.token_ids for o in outs],
-                              "rebalances": len(llm.eplb.reports)}), flush=True)
+# One file per rank: two ranks printing to one stdout pipe can interleave within a line.
+with open(f"{out_dir}/rank{llm.comm.rank}.json", "w") as f:
+    json.dump({"rank": llm.comm.rank, "index": mine, "tokens": [o.token_ids for o in outs],
+               "rebalances": len(llm.eplb.reports)}, f)
 '''
 
 
@@ -125,12 +127,12 @@ def test_torchrun_ranks_match_single_process(ckpt, batch, reference, tmp_path) -
     prompts, params = batch
     script = tmp_path / "ranks.py"
     script.write_text(TORCHRUN_SCRIPT)
-    arg = json.dumps([ckpt, prompts, [p.max_tokens for p in params]])
+    arg = json.dumps([ckpt, prompts, [p.max_tokens for p in params], str(tmp_path)])
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(find_free_port()), str(script), arg],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(ln.split("RESULT ", 1)[1]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    rows = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in rows) == [0, 1]
     got = {i: toks for r in rows for i, toks in zip(r["index"], r["tokens"])}
     assert [got[i] for i in range(len(prompts))] == reference
