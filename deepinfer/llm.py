@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from deepinfer.config import EngineConfig
 from deepinfer.detokenizer import IncrementalDetokenizer
 from deepinfer.engine.kv_cache_manager import HybridKVCacheManager, KVCacheGroupSpec
+from deepinfer.engine.inputs import expand_sampling_params
 from deepinfer.engine.kv_sizing import num_kv_blocks
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.request import Request
@@ -102,6 +103,10 @@ class LLM:
         self.structured = StructuredOutputManager(self.tokenizer, mcfg.vocab_size, self.eos_token_id,
                                                   self.device, cfg.max_num_seqs)
         self.metrics = MetricsCollector(self.scheduler)  # host clocks only; see deepinfer/metrics.py
+        self.async_loop = None  # async scheduling (deepinfer/engine/async_engine.py); sync with speculation
+        if cfg.async_scheduling and cfg.num_speculative_tokens == 0 and type(self) is LLM:
+            from deepinfer.engine.async_engine import AsyncStepLoop
+            self.async_loop = AsyncStepLoop(self)
 
     # ---- requests ----------------------------------------------------------------------
     def _prompts(self, prompts: str | Sequence[str] | None,
@@ -156,17 +161,7 @@ class LLM:
         Every input is validated before any request is queued, so a bad one raises a
         clear InvalidRequestError and leaves the engine serving."""
         items = self._prompts(prompts, prompt_token_ids)
-        if sampling_params is None:
-            params = [SamplingParams() for _ in items]
-        elif isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(items)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(items):
-                raise InvalidRequestError(
-                    f"got {len(params)} sampling_params for {len(items)} prompts; pass one or one per prompt")
-        if not all(isinstance(p, SamplingParams) for p in params):
-            raise InvalidRequestError("sampling_params must be SamplingParams objects")
+        params = expand_sampling_params(sampling_params, len(items))
         params = [p.for_request() for p in params]  # unseeded params: a fresh seed per request
         self._check_lengths(items)
         self.structured.check(params)  # bad / unsupported grammars raise here, before anything is queued
@@ -185,6 +180,8 @@ class LLM:
             while self._keep_stepping():
                 self.step(detoks, bar)
         except BaseException:
+            if self.async_loop is not None:
+                self.async_loop.discard()
             for req in reqs:  # never leave this call's requests behind in the engine
                 if not req.is_finished:
                     self.scheduler.abort(req.req_id)
@@ -196,7 +193,8 @@ class LLM:
 
     def _keep_stepping(self) -> bool:
         """Whether generate() runs another step (data-parallel ranks also ask their peers)."""
-        return self.scheduler.has_unfinished() or self.structured.has_pending()
+        return (self.scheduler.has_unfinished() or self.structured.has_pending()
+                or (self.async_loop is not None and self.async_loop.busy))
 
     def chat(self, messages, sampling_params=None, thinking: bool | None = None, tools=None,
              use_tqdm: bool = True) -> list:
@@ -207,6 +205,8 @@ class LLM:
 
     def step(self, detoks: dict[str, IncrementalDetokenizer], bar: tqdm | None = None) -> None:
         """One engine step: schedule -> execute -> update -> detokenize / stop strings."""
+        if self.async_loop is not None:  # schedules step N+1 before step N's update
+            return self.async_loop.step(detoks, bar)
         t_start = time.perf_counter()
         self.structured.admit_ready(self.scheduler)
         with phase(SCHEDULE):
@@ -216,6 +216,12 @@ class LLM:
             touched = self.scheduler.update(sched_out, runner_out)
             if self.runner.spec is not None:  # drafts for the next step go to running requests
                 self.runner.spec.attach(self.scheduler)
+        self._after_update(touched, detoks, bar)
+        self.metrics.record_step(sched_out, touched, t_start)
+
+    def _after_update(self, touched: list[Request], detoks: dict[str, IncrementalDetokenizer],
+                      bar: tqdm | None) -> None:
+        """Grammar advance, detokenization and stop strings for the requests an update touched."""
         for req in touched:
             if self.structured.advance(req) and not req.is_finished:  # grammar done (EOS accepted)
                 self.scheduler.finish_request(req.req_id, "stop")
@@ -226,7 +232,6 @@ class LLM:
                     self.scheduler.finish_request(req.req_id, "stop", stop_reason=detok.stopped_by)
             if req.is_finished and bar is not None:
                 bar.update(1)
-        self.metrics.record_step(sched_out, touched, t_start)
 
     def _output(self, prompt: str | None, req: Request, detok: IncrementalDetokenizer) -> RequestOutput:
         detok.finish()

@@ -21,18 +21,11 @@ import time
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.models.tiny import tiny_config, write_tiny_checkpoint
+from deepinfer.models.tiny import mini_config, write_tiny_checkpoint
 
 HBM_GBPS = 4200.0
 
 
-def mini_config():
-    return tiny_config(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, head_dim=512,
-                       qk_rope_head_dim=64, q_lora_rank=512, o_groups=4, o_lora_rank=256,
-                       n_routed_experts=64, moe_intermediate_size=512, num_experts_per_tok=6,
-                       index_n_heads=16, index_head_dim=128, index_topk=512, sliding_window=128,
-                       compress_ratios=[128, 128, 4, 128, 4, 128, 4, 128], num_hash_layers=3,
-                       torch_dtype="bfloat16")
 
 
 def commit() -> str:

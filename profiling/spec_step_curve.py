@@ -27,17 +27,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
-from deepinfer.models.tiny import tiny_config, write_tiny_checkpoint  # noqa: E402
+from deepinfer.models.tiny import mini_config, tiny_config, write_tiny_checkpoint  # noqa: E402
 from deepinfer.spec import RandomDrafter  # noqa: E402
 
 
-def mini_config():
-    return tiny_config(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, head_dim=512,
-                       qk_rope_head_dim=64, q_lora_rank=512, o_groups=4, o_lora_rank=256,
-                       n_routed_experts=64, moe_intermediate_size=512, num_experts_per_tok=6,
-                       index_n_heads=16, index_head_dim=128, index_topk=512, sliding_window=128,
-                       compress_ratios=[128, 128, 4, 128, 4, 128, 4, 128], num_hash_layers=3,
-                       num_nextn_predict_layers=1, torch_dtype="bfloat16")
+def mini_mtp_config():
+    return mini_config(num_nextn_predict_layers=1)
 
 
 def commit() -> str:
@@ -106,7 +101,7 @@ def main() -> None:
         write_tiny_checkpoint(path, seed=0, cfg=cfg)
         kw = dict(max_model_len=256, max_num_seqs=max(batches))
     else:
-        cfg, dtype = mini_config(), "bfloat16"
+        cfg, dtype = mini_mtp_config(), "bfloat16"
         write_tiny_checkpoint(path, seed=0, cfg=cfg, dtype=torch.bfloat16)
         kw = dict(max_model_len=4096, max_num_seqs=max(batches), gpu_memory_utilization=0.5)
     res["config"] = cfg.to_dict()

@@ -49,6 +49,18 @@ def tiny_config(**overrides: object) -> DeepseekV4Config:
     return cfg
 
 
+def mini_config(**overrides: object) -> DeepseekV4Config:
+    """`mini` from REFERENCE.md section 5 (1.17B params with random weights): hidden 1024,
+    8 layers, 16 heads x 512, q_lora 512, o_groups 4, o_lora 256, 64 experts x 512 top-6,
+    indexer 16 x 128 top-512, window 128, real vocab; the benchmarks' GPU workhorse."""
+    base = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, head_dim=512, qk_rope_head_dim=64,
+                q_lora_rank=512, o_groups=4, o_lora_rank=256, n_routed_experts=64, moe_intermediate_size=512,
+                num_experts_per_tok=6, index_n_heads=16, index_head_dim=128, index_topk=512, sliding_window=128,
+                compress_ratios=[128, 128, 4, 128, 4, 128, 4, 128], num_hash_layers=3, torch_dtype="bfloat16")
+    base.update(overrides)
+    return tiny_config(**base)
+
+
 def tiny_dspark_config(**overrides: object) -> DeepseekV4Config:
     """deepinfer-tiny with a 3-stage DSpark drafter (block 5, Markov rank 16) instead of MTP."""
     base = dict(num_nextn_predict_layers=3, mtp_compress_ratios=[0, 0, 0], dspark_block_size=5,

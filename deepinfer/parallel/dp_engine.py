@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from deepinfer.engine.inputs import expand_sampling_params
 from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError
 from deepinfer.llm import LLM
 from deepinfer.models.tiny import default_checkpoint_dir
@@ -214,15 +215,7 @@ class DPLLM(LLM):
         else:
             ids = list(prompt_token_ids)
             key, items = "prompt_token_ids", [ids] if ids and all(isinstance(t, int) for t in ids) else ids
-        if sampling_params is None:
-            params = [SamplingParams() for _ in items]
-        elif isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(items)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(items):
-                raise InvalidRequestError(
-                    f"got {len(params)} sampling_params for {len(items)} prompts; pass one or one per prompt")
+        params = expand_sampling_params(sampling_params, len(items))
         lengths = [len(x) if hasattr(x, "__len__") else 1 for x in items]
         shares = split_requests(lengths, self.world_size if self.data_parallel_size > 1 else 1, self.dp_split)
         shares += [[] for _ in range(self.world_size - len(shares))]

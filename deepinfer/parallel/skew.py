@@ -15,7 +15,7 @@ import torch
 
 from deepinfer.models.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4 import DeepseekV4Model
-from deepinfer.models.tiny import init_random, save_checkpoint, tiny_config
+from deepinfer.models.tiny import mini_config, init_random, save_checkpoint, tiny_config
 
 __all__ = ["mini_like_config", "force_hot_experts", "write_skewed_checkpoint"]
 
@@ -25,20 +25,13 @@ def mini_like_config(size: str = "mini-cpu", vocab_size: int | None = None) -> D
     x 512, top-6) or ``mini-cpu``: the same MoE shape (64 experts, top-6, hash + routed layers)
     at widths that gloo ranks on a small CPU box get through in seconds."""
     if size == "mini":
-        cfg = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, head_dim=512, qk_rope_head_dim=64,
-                   q_lora_rank=512, o_groups=4, o_lora_rank=256, n_routed_experts=64, moe_intermediate_size=512,
-                   num_experts_per_tok=6, index_n_heads=16, index_head_dim=128, index_topk=512, sliding_window=128,
-                   compress_ratios=[128, 128, 4, 128, 4, 128, 4, 128], num_hash_layers=3, torch_dtype="bfloat16")
-    elif size == "mini-cpu":
-        cfg = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, head_dim=64, qk_rope_head_dim=16,
-                   q_lora_rank=128, o_groups=2, o_lora_rank=64, n_routed_experts=64, moe_intermediate_size=128,
-                   num_experts_per_tok=6, index_n_heads=4, index_head_dim=32, index_topk=64, sliding_window=128,
-                   compress_ratios=[128, 4, 128, 4], num_hash_layers=1, vocab_size=vocab_size or 8192)
-    else:
+        return mini_config(**({"vocab_size": vocab_size} if vocab_size is not None else {}))
+    if size != "mini-cpu":
         raise ValueError(f"size must be 'mini' or 'mini-cpu', got {size!r}")
-    if vocab_size is not None:
-        cfg["vocab_size"] = vocab_size
-    return tiny_config(**cfg)
+    return tiny_config(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, head_dim=64, qk_rope_head_dim=16,
+                       q_lora_rank=128, o_groups=2, o_lora_rank=64, n_routed_experts=64, moe_intermediate_size=128,
+                       num_experts_per_tok=6, index_n_heads=4, index_head_dim=32, index_topk=64, sliding_window=128,
+                       compress_ratios=[128, 4, 128, 4], num_hash_layers=1, vocab_size=vocab_size or 8192)
 
 
 @torch.no_grad()
