@@ -8,8 +8,11 @@ projection of the target model's features from `dspark_target_layer_ids`) and
 head (`markov_w1`, `markov_w2`: [vocab, rank]) and the confidence head
 (`proj`: [1, hidden + rank]).
 
-The drafting forward (parallel block proposal, Markov bias, confidence) belongs to the
-speculative decoder, which uses these modules as they are loaded here.
+The per-stage drafting math lives here (`DSparkStage.context_kv`: K/V of target-feature
+rows; `DSparkStage.block_forward`: the stage over draft blocks that attend densely to
+their context rows and bidirectionally to themselves; `MarkovHead`, `ConfidenceHead`);
+the orchestration (features, window cache writes, sequential sampling) is
+`deepinfer/spec/dspark_drafter.py`. Assumptions: docs/dspark_assumptions.md.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from torch import nn
 from .config import DeepseekV4Config
 from .deepseek_v4 import Block
 from .linear import Linear
-from .norm import RMSNorm
+from .mhc import hc_post, hc_pre
+from .norm import RMSNorm, unweighted_rms_norm
+from .rope import Rotary, apply_rope
 
 
 class MarkovHead(nn.Module):
@@ -31,9 +36,13 @@ class MarkovHead(nn.Module):
         self.markov_w1 = Linear(rank, vocab, dtype)  # stored [vocab, rank]: row = embedding of a token
         self.markov_w2 = Linear(rank, vocab, dtype)  # stored [vocab, rank]: logits = W2 @ embedding
 
+    def embedding(self, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """[R] token ids -> [R, rank]: the rows W1[prev]."""
+        return self.markov_w1.weight[prev_tokens]
+
     def forward(self, prev_tokens: torch.Tensor) -> torch.Tensor:
-        """[R] token ids -> [R, vocab] bias."""
-        return self.markov_w2(self.markov_w1.weight[prev_tokens])
+        """[R] token ids -> [R, vocab] bias W2 @ W1[prev] (float32)."""
+        return self.markov_w2(self.embedding(prev_tokens)).float()
 
 
 class ConfidenceHead(nn.Module):
@@ -42,6 +51,12 @@ class ConfidenceHead(nn.Module):
     def __init__(self, hidden: int, rank: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.proj = Linear(hidden + rank, 1, dtype)
+
+    def forward(self, hidden: torch.Tensor, markov_emb: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """hidden [R, D] (normed last-stage hidden), markov_emb [R, rank] (W1[previous
+        token]) -> [R] float32 survival probabilities sigmoid(w . [h ; e] / T)."""
+        z = self.proj(torch.cat([hidden, markov_emb.to(hidden.dtype)], dim=-1)).float().squeeze(-1)
+        return torch.sigmoid(z / temperature)
 
 
 class DSparkStage(Block):
@@ -60,3 +75,54 @@ class DSparkStage(Block):
             self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
             self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, dtype)
             self.confidence_head = ConfidenceHead(h, cfg.dspark_markov_rank, dtype)
+
+    # ------------------------------------------------------------------ drafting
+    def context_kv(self, main_x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """Keys/values of target-feature rows for this stage: RoPE(kv_norm(wkv(main_x))) at
+        the rows' positions. main_x [L, D] = main_norm(main_proj(features)) -> [L, head_dim]."""
+        cos, sin = rotary.cos_sin(positions, main_x.dtype)
+        return apply_rope(self.attn.kv_norm(self.attn.wkv(main_x)), cos, sin)
+
+    def block_forward(self, streams: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, block: int,
+                      ctx_kv: list[torch.Tensor], ctx_pos: list[torch.Tensor], rotary: Rotary) -> torch.Tensor:
+        """The stage over R draft blocks of ``block`` rows each (flattened, [R * block, N, D]).
+
+        Block r's queries attend to its context rows ``ctx_kv[r]`` [L_r, head_dim] (target
+        features at positions ``ctx_pos[r]``, all before the block; a row is visible when it
+        lies within the sliding window of the query) and to every row of the same block
+        (bidirectional). Block K/V are not written anywhere."""
+        cfg = self.cfg
+        post, comb, x = hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+                               cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        streams = hc_post(self._block_attention(self.attn_norm(x), positions, block, ctx_kv, ctx_pos, rotary),
+                          streams, post, comb)
+        post, comb, x = hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
+                               cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        return hc_post(self.ffn(self.ffn_norm(x), ids), streams, post, comb)
+
+    def _block_attention(self, x: torch.Tensor, pos: torch.Tensor, block: int, ctx_kv: list[torch.Tensor],
+                         ctx_pos: list[torch.Tensor], rotary: Rotary) -> torch.Tensor:
+        """Dense version of `Attention.forward` (same projections, sinks, inverse RoPE on the
+        output) with the DSpark key set. x: [R * block, D] normed -> [R * block, D]."""
+        attn, cfg = self.attn, self.cfg
+        cos, sin = rotary.cos_sin(pos, x.dtype)
+        q_res = attn.q_norm(attn.wq_a(x))
+        q = unweighted_rms_norm(attn.wq_b(q_res).view(-1, attn.n_heads, attn.head_dim), cfg.rms_norm_eps)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)
+        out = torch.empty_like(q)
+        sink_w = attn.attn_sink.float()
+        for r in range(len(ctx_kv)):
+            rows = slice(r * block, (r + 1) * block)
+            qp = pos[rows]
+            keys = torch.cat([ctx_kv[r].to(kv.dtype), kv[rows]])
+            ctx_vis = ctx_pos[r][None, :] > qp[:, None] - attn.window
+            mask = torch.cat([ctx_vis, torch.ones(block, block, dtype=torch.bool, device=x.device)], dim=1)
+            logits = torch.einsum("lhd,kd->lhk", q[rows], keys) * attn.head_dim ** -0.5
+            logits = logits.float().masked_fill(~mask[:, None, :], float("-inf"))
+            sink = sink_w[None, :, None].expand(logits.shape[0], -1, 1)
+            combined = torch.cat([logits, sink], dim=-1)
+            probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+            out[rows] = torch.einsum("lhk,kd->lhd", probs.to(keys.dtype), keys)
+        out = apply_rope(out, cos, -sin)
+        return attn.wo_b(attn.wo_a(out.reshape(out.shape[0], cfg.o_groups, -1)))

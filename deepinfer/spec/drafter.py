@@ -2,7 +2,7 @@
 
 After every step the spec runner (`deepinfer/spec/runner.py`) hands the drafter a
 `DraftContext`: the step's flattened batch, the target's final streams (and captured
-hidden states of the layers the drafter asked for), and per scheduled request how many
+input streams of the layers the drafter asked for), and per scheduled request how many
 of its rows hold valid KV and which tokens were emitted. The drafter returns, per
 sampled request, up to ``k`` draft tokens, their draft distributions ``q`` (``None`` =
 deterministic proposal, q one-hot) and per-draft confidences (survival probabilities
@@ -31,7 +31,7 @@ class Draft:
 class DraftContext:
     batch: ForwardBatch
     streams: torch.Tensor  # [T, N, D] final target streams of the step
-    hidden: dict[int, torch.Tensor]  # captured layer outputs (layer id -> [T, N, D])
+    hidden: dict[int, torch.Tensor]  # captured layer INPUT streams (layer id -> [T, N, D])
     scheduled: list[ScheduledRequest]
     valid: list[int]  # per scheduled request: rows of the step whose KV is now valid
     emitted: list[list[int] | None]  # per scheduled request: tokens returned (None = no sample)

@@ -1,14 +1,156 @@
-"""DSpark drafter (NOT IMPLEMENTED YET): see docs/dspark_assumptions.md for the planned
-forward. The stage parameters load (deepinfer/models/dspark.py); `make_drafter` raises
-for DSpark checkpoints until this is filled in, so nothing runs a half-built drafter."""
+"""DSpark drafter: one parallel pass over a block proposes up to gamma draft tokens, with a
+low-rank Markov head and a confidence head (docs/dspark_assumptions.md lists every choice).
+
+Per step (`propose`), after the target forward:
+
+1. Features. The target exposes the INPUT streams of the layers ``dspark_target_layer_ids``
+   (their attention input, `DeepseekV4Model.forward(capture=...)`); each is collapsed by
+   the mean over its hc streams, the layers are concatenated and
+   ``main_x = main_norm(main_proj(concat))``: one row per target position. For every row
+   whose KV became valid this step (real tokens + accepted drafts) each stage k writes
+   ``RoPE(kv_norm(wkv_k(main_x)))`` at that position into its window cache (paged swa
+   layer id num_hidden_layers + k). The paged cache makes rollback, preemption and prefix
+   caching free: a position's row is rewritten whenever the target recomputes it.
+2. Block. For each request that sampled, with p its last valid position: rows
+   [last accepted token, noise x (gamma - 1)] at positions p+1..p+gamma, streams start as
+   the embedding repeated hc_mult times. Each stage attends (dense, per request) to its
+   context rows at positions within the sliding window of the query (<= p) and
+   bidirectionally to all rows of the block; block K/V are never written (lookahead 0).
+3. Head. Last stage: hc_head, norm -> h_k, shared LM head -> logits of row k.
+4. Drafts, sequentially: d_{k+1} ~ logits_k + W2 W1[x_k] (x_0 = last accepted token,
+   x_k = d_k), drawn with the request's sampling settings from the DRAFT stream at the
+   position the draft will occupy (p + 2 + k); c_{k+1} = sigmoid(w . [h_k ; W1[x_k]]).
+"""
 
 from __future__ import annotations
 
-from .drafter import Drafter
+import torch
+
+from deepinfer.engine.sampler import Sampler, SamplingTensors
+from deepinfer.models.kv_cache import GROUP_SWA, KVCache, gather_rows, scatter_rows
+from deepinfer.models.mhc import hc_head
+
+from .drafter import Draft, DraftContext, Drafter
+from .verify import sample_draft
 
 
 class DSparkDrafter(Drafter):
-    def __init__(self, model, cache, k: int) -> None:
-        raise NotImplementedError(
-            "DSpark drafting is not implemented yet (deepinfer/spec/dspark_drafter.py); "
-            "use a checkpoint with a plain MTP stage or set num_speculative_tokens=0")
+    lookahead = 0  # the block's own K/V stay in the pass; nothing beyond verified tokens is written
+
+    def __init__(self, model, cache: KVCache, k: int) -> None:
+        cfg = model.cfg
+        if not cfg.has_dspark:
+            raise ValueError("DSparkDrafter needs a checkpoint with a DSpark drafter (dspark_block_size > 0)")
+        self.gamma = int(cfg.dspark_block_size)
+        if k > self.gamma:
+            raise ValueError(f"num_speculative_tokens={k} exceeds the DSpark block size {self.gamma}: "
+                             f"the drafter proposes at most dspark_block_size tokens per step")
+        bad = [i for i in cfg.dspark_target_layer_ids if not 0 <= i < cfg.num_hidden_layers]
+        if bad:
+            raise NotImplementedError(f"DSpark target layers {bad} are not main-model layers; only "
+                                      f"layers < num_hidden_layers={cfg.num_hidden_layers} can be captured")
+        self.model, self.cache, self.k = model, cache, k
+        self.cfg = cfg
+        self.stages = list(model.mtp)
+        self.target_layers = tuple(int(i) for i in cfg.dspark_target_layer_ids)
+        self.sampler = Sampler()
+
+    def _cache_id(self, stage: int) -> int:
+        return self.cfg.num_hidden_layers + stage
+
+    # ------------------------------------------------------------------ features
+    def features(self, hidden: dict[int, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        """main_norm(main_proj(concat over target layers of mean-over-hc input streams)) for
+        the given rows of the step: [L] -> [L, D]."""
+        feats = torch.cat([hidden[i][rows].mean(dim=1) for i in self.target_layers], dim=-1)
+        s0 = self.stages[0]
+        return s0.main_norm(s0.main_proj(feats))
+
+    def _write_features(self, ctx: DraftContext) -> None:
+        rows, positions, spans = [], [], []  # spans: (scheduled index, first row in `rows`, count)
+        for i, seq in enumerate(ctx.batch.seqs):
+            n = ctx.valid[i]
+            if n <= 0:
+                continue
+            spans.append((i, len(rows), n))
+            rows.extend(range(seq.offset, seq.offset + n))
+            positions.extend(range(seq.start, seq.start + n))
+        if not rows:
+            return
+        dev = ctx.streams.device
+        main_x = self.features(ctx.hidden, torch.tensor(rows, device=dev))
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        for s, stage in enumerate(self.stages):
+            kv = stage.context_kv(main_x, pos, self.model.rotary_main)
+            pool = self.cache.swa[self._cache_id(s)]
+            for i, first, n in spans:
+                seq = ctx.batch.seqs[i]
+                scatter_rows(pool, seq.block_table[GROUP_SWA], seq.start, kv[first: first + n])
+
+    # ------------------------------------------------------------------ drafting
+    @torch.no_grad()
+    def draft_logits(self, last_tokens: list[int], last_pos: list[int], tables: list[list[int]]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One parallel pass over R blocks. last_tokens[r] sits at position last_pos[r] + 1;
+        the context is the window rows <= last_pos[r] of the stages' caches (swa tables).
+        Returns (logits [R, gamma, V] float32 without the Markov bias, h [R, gamma, D])."""
+        cfg, G, W = self.cfg, self.gamma, self.cfg.sliding_window
+        dev = self.model.embed.weight.device
+        R = len(last_tokens)
+        ids = torch.full((R, G), cfg.dspark_noise_token_id, dtype=torch.long)
+        ids[:, 0] = torch.tensor(last_tokens, dtype=torch.long)
+        ids = ids.reshape(-1).to(dev)
+        pos = (torch.tensor(last_pos, dtype=torch.long)[:, None] + 1 + torch.arange(G)[None, :]).reshape(-1).to(dev)
+        streams = self.model.embed(ids).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+        for s, stage in enumerate(self.stages):
+            pool = self.cache.swa[self._cache_id(s)]
+            ctx_kv, ctx_pos = [], []
+            for p, table in zip(last_pos, tables):
+                lo = max(0, p + 2 - W)  # the first row of the block (position p+1) sees keys > p+1-W
+                ctx_kv.append(gather_rows(pool, table, lo, p + 1).to(dev))
+                ctx_pos.append(torch.arange(lo, p + 1, device=dev))
+            streams = stage.block_forward(streams, ids, pos, G, ctx_kv, ctx_pos, self.model.rotary_main)
+        last = self.stages[-1]
+        x = hc_head(streams, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, cfg.hc_eps, cfg.rms_norm_eps)
+        h = last.norm(x)
+        logits = self.model.head(h).float()
+        return logits.view(R, G, -1), h.view(R, G, -1)
+
+    @torch.no_grad()
+    def draft(self, logits: torch.Tensor, h: torch.Tensor, last_tokens: list[int], last_pos: list[int],
+              params: list, n: int) -> list[Draft]:
+        """Sequential sampling of n <= gamma drafts per block from one pass's outputs."""
+        last = self.stages[-1]
+        dev = logits.device
+        prev = torch.tensor(last_tokens, dtype=torch.long, device=dev)
+        toks: list[list[int]] = [[] for _ in last_tokens]
+        confs: list[list[float]] = [[] for _ in last_tokens]
+        qs: list[list[torch.Tensor]] = [[] for _ in last_tokens]
+        for j in range(n):
+            emb = last.markov_head.embedding(prev)
+            z = logits[:, j] + last.markov_head(prev)
+            conf = last.confidence_head(h[:, j], emb)
+            st = SamplingTensors.from_params(params, [p + 2 + j for p in last_pos], dev)
+            tok, q = sample_draft(z, st, self.sampler)
+            tl, cl = tok.tolist(), conf.tolist()
+            for r in range(len(last_tokens)):
+                toks[r].append(tl[r])
+                confs[r].append(float(cl[r]))
+                if q is not None:
+                    qs[r].append(q[r])
+            prev = tok
+        return [Draft(toks[r], torch.stack(qs[r]) if qs[r] else None, confs[r]) for r in range(len(last_tokens))]
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext, k: int) -> dict[str, Draft]:
+        self._write_features(ctx)
+        n = min(k, self.gamma)
+        heads = [(i, r) for i, (r, e) in enumerate(zip(ctx.scheduled, ctx.emitted)) if e and ctx.valid[i] > 0]
+        if not heads or n <= 0:
+            return {}
+        last_tokens = [ctx.emitted[i][-1] for i, _ in heads]
+        last_pos = [ctx.batch.seqs[i].start + ctx.valid[i] - 1 for i, _ in heads]
+        tables = [ctx.batch.seqs[i].block_table[GROUP_SWA] for i, _ in heads]
+        logits, h = self.draft_logits(last_tokens, last_pos, tables)
+        drafts = self.draft(logits, h, last_tokens, last_pos, [r.sampling_params for _, r in heads], n)
+        return {r.req_id: d for (_, r), d in zip(heads, drafts)}

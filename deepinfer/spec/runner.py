@@ -23,16 +23,12 @@ from .verify import rejection_sample
 
 
 def forward_capture(model, batch, cache, layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """`DeepseekV4Model.forward` that also returns the output streams of ``layers``."""
+    """`DeepseekV4Model.forward` that also returns the INPUT streams [T, N, D] of ``layers``
+    (their attention input: DSpark's target features)."""
     if not layers:
         return model(batch, cache), {}
-    ctx = model.context(batch, cache)
-    streams = model.embed(batch.input_ids).unsqueeze(1).repeat(1, model.cfg.hc_mult, 1)
-    hidden = {}
-    for i, layer in enumerate(model.layers):
-        streams = layer(streams, ctx)
-        if i in layers:
-            hidden[i] = streams
+    hidden: dict = dict.fromkeys(layers)
+    streams = model(batch, cache, capture=hidden)
     return streams, hidden
 
 
