@@ -1,0 +1,44 @@
+"""MoE of the fast path: gate GEMM + router kernel + fused routed experts + shared expert
+(``MoE.forward`` without the per-expert loop and its host reads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def stacked_experts(moe: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w1, w3, w2) [E, I, H] / [E, H, I] of a MoE's routed experts, stacked once; the
+    experts' own weights become views of the stacks, so memory is not doubled and the
+    reference path keeps reading the same values."""
+    stacks = getattr(moe, "_fast_stacks", None)
+    experts = list(moe.experts)
+    if stacks is not None and stacks[0].data_ptr() == experts[0].w1.weight.data_ptr():
+        return stacks
+    stacks = tuple(torch.stack([getattr(ex, n).weight.data for ex in experts]) for n in ("w1", "w3", "w2"))
+    for e, ex in enumerate(experts):
+        ex.w1.weight.data, ex.w3.weight.data, ex.w2.weight.data = stacks[0][e], stacks[1][e], stacks[2][e]
+    moe._fast_stacks = stacks
+    return stacks
+
+
+def supported(moe: torch.nn.Module) -> bool:
+    return moe.gate.func in ("sqrtsoftplus", "sigmoid") and moe.load_counter is None
+
+
+def moe_forward(moe: torch.nn.Module, x: torch.Tensor, input_ids: torch.Tensor, ops: Any) -> torch.Tensor:
+    """x [T, hidden] -> [T, hidden]; same math as ``MoE.forward``."""
+    gate = moe.gate
+    w1, w3, w2 = stacked_experts(moe)
+    logits = F.linear(x, gate.weight)
+    if gate.is_hash:
+        weights, ids = ops.router(logits, None, gate.top_k, gate.route_scale, gate.normalize, gate.func,
+                                  tid2eid=gate.tid2eid, input_ids=input_ids)
+    else:
+        weights, ids = ops.router(logits, gate.bias, gate.top_k, gate.route_scale, gate.normalize, gate.func)
+    out = ops.fused_moe(x, w1, w3, w2, weights, ids, moe.experts[0].limit)
+    if moe.shared_experts is not None:
+        out = out + moe.shared_experts(x)
+    return out

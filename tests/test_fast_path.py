@@ -1,0 +1,81 @@
+"""GPU fast path (deepinfer/models/fast) on CPU: the batched pure-decode path, run with the
+kernels' torch references (DEEPINFER_FASTPATH=ref), must give the reference path's
+greedy tokens and log-probs on a tiny model; and the dispatch picks the right path."""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any deepinfer_kernels module is imported
+
+import pytest  # noqa: E402
+
+from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.models.fast.runner import FastPath  # noqa: E402
+from deepinfer.models.tiny import tiny_config, write_tiny_checkpoint  # noqa: E402
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_fast")
+    write_tiny_checkpoint(str(path), seed=5, cfg=tiny_config(vocab_size=VOCAB, sliding_window=32, index_topk=4))
+    return str(path)
+
+
+def _run(ckpt, monkeypatch, mode, graphs="0"):
+    monkeypatch.setenv("DEEPINFER_FASTPATH", mode)
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", graphs)
+    # decode crosses block ends (127, 255: tails, an HCA window) and many CSA windows (ratio 4)
+    llm = LLM(ckpt, dtype="float32", max_model_len=512, max_num_seqs=8, block_size=128)
+    prompts = [[(3 * i + 7 * j) % VOCAB for j in range(n)] for i, n in enumerate((1, 5, 37, 120, 250))]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, top_logprobs=3)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    # a prefix-cache hit on the block that decode completed restores the CSA ring from its tail
+    again = [o.prompt_token_ids + o.token_ids for o in outs[3:]]
+    outs += llm.generate(prompt_token_ids=again, sampling_params=sp, use_tqdm=False)
+    return llm, outs
+
+
+@pytest.mark.parametrize("graphs", ["0", "1"])  # "1": the graph path's padded static buffers, run eagerly
+def test_fast_decode_matches_reference(ckpt, monkeypatch, graphs):
+    ref_llm, ref = _run(ckpt, monkeypatch, "0")
+    assert ref_llm.runner.fast is None
+    fast_llm, fast = _run(ckpt, monkeypatch, "ref", graphs)
+    stats = fast_llm.runner.fast.stats
+    assert stats["fast_steps"] > 0 and (stats["graph_steps"] > 0) == (graphs == "1")
+    for a, b in zip(ref, fast):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-4)
+        for ta, tb in zip(a.top_logprobs, b.top_logprobs):
+            assert [t for t, _ in ta] == [t for t, _ in tb]
+            for (_, x), (_, y) in zip(ta, tb):
+                assert math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-4)
+
+
+def test_fast_path_selection(ckpt, monkeypatch):
+    monkeypatch.delenv("DEEPINFER_FASTPATH", raising=False)
+    llm = LLM(ckpt, dtype="float32", max_model_len=256, max_num_seqs=2)
+    assert llm.runner.fast is None  # CPU keeps the reference path
+    monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
+    fast = FastPath.create(llm.runner.model, llm.runner.cache)
+    assert fast is not None and not fast.graphs_enabled and fast.ops.kind == "ref"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
+def test_fast_decode_triton_interpreted(ckpt, monkeypatch):
+    """The real kernels (interpreted) behind the same dispatch, a short run."""
+    prompts = [[(5 * j + 1) % VOCAB for j in range(n)] for n in (6, 37)]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    outs = {}
+    for mode in ("0", "triton"):
+        monkeypatch.setenv("DEEPINFER_FASTPATH", mode)
+        llm = LLM(ckpt, dtype="float32", max_model_len=256, max_num_seqs=4)
+        outs[mode] = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    assert llm.runner.fast.ops.kind == "triton" and llm.runner.fast.stats["fast_steps"] == 4
+    for a, b in zip(outs["0"], outs["triton"]):
+        assert a.token_ids == b.token_ids
+        assert all(math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-4) for x, y in zip(a.logprobs, b.logprobs))
