@@ -252,9 +252,6 @@ class EngineConfig:
                 "with confidence-scheduled variable-length verification (DEEPINFER_ENABLE_MTP_VARLEN=1 / "
                 "enable_mtp_varlen=True): its verify lengths depend on the other requests. "
                 "Set DEEPINFER_ENABLE_MTP_VARLEN=0, or DEEPINFER_BATCH_INVARIANT=0", field="enable_mtp_varlen")
-        if self.async_scheduling:
-            raise ConfigError("EngineConfig.async_scheduling=True is not implemented yet; "
-                              "allowed: False", field="async_scheduling")
         if (not self.chunked_prefill and self.max_num_batched_tokens is not None
                 and self.max_model_len is not None
                 and self.max_num_batched_tokens < self.max_model_len):

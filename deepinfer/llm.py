@@ -103,8 +103,12 @@ class LLM:
         self.structured = StructuredOutputManager(self.tokenizer, mcfg.vocab_size, self.eos_token_id,
                                                   self.device, cfg.max_num_seqs)
         self.metrics = MetricsCollector(self.scheduler)  # host clocks only; see deepinfer/metrics.py
-        self.async_loop = None  # async scheduling (deepinfer/engine/async_engine.py); sync with speculation
-        if cfg.async_scheduling and cfg.num_speculative_tokens == 0 and type(self) is LLM:
+        # async scheduling (deepinfer/engine/async_engine.py). Sync loop kept with speculation, in the
+        # DP/EP engines, and with the GPU fast path until its prepare() takes decode input ids from
+        # batch.input_ids (gathered on the device) instead of ScheduledRequest.token_ids (placeholders).
+        self.async_loop = None
+        if (cfg.async_scheduling and cfg.num_speculative_tokens == 0 and type(self) is LLM
+                and getattr(self.runner, "fast", None) is None):
             from deepinfer.engine.async_engine import AsyncStepLoop
             self.async_loop = AsyncStepLoop(self)
 

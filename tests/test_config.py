@@ -138,7 +138,7 @@ def test_unknown_kwargs() -> None:
     ({"batch_invariant": "1"}, "batch_invariant", "True or False"),
     ({"model": ""}, "model", "non-empty str"),
     ({"tokenizer": 3}, "tokenizer", "non-empty str"),
-    ({"async_scheduling": True}, "async_scheduling", "not implemented yet"),
+    ({"async_scheduling": 1}, "async_scheduling", "True or False"),
     ({"chunked_prefill": False, "max_model_len": 4096, "max_num_batched_tokens": 1024},
      "max_num_batched_tokens", ">= max_model_len=4096 when chunked_prefill=False"),
 ])

@@ -15,6 +15,7 @@ from deepinfer import batch_invariant
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.sampler import Sampler, SamplingTensors
 from deepinfer.models.deepseek_v4 import DeepseekV4Model
+from deepinfer.models.fast.runner import FastPath
 from deepinfer.models.kv_cache import ForwardBatch, KVCache, SeqMeta
 from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, phase
 
@@ -34,6 +35,8 @@ class ModelRunner:
         self.batch_invariant = False
         self.replay = None  # V4.1 SWA bounded replay (models.bounded_replay.ReplayConfig), set by the engine
         self.spec = None  # speculative decoding (deepinfer.spec.runner.SpecDecoder), set by deepinfer.spec.setup
+        #: GPU fast path (deepinfer/models/fast): batched pure-decode steps + CUDA graphs; None = reference
+        self.fast = FastPath.create(model, cache)
 
     def build_batch(self, so: SchedulerOutput) -> ForwardBatch:
         ids: list[int] = []
@@ -61,8 +64,12 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids, sampled)
         with phase(PREPARE_INPUTS):
             batch = self.build_batch(so)
+            fast = getattr(self, "fast", None)
+            if fast is not None and self.replay is None and not batch_invariant.enabled():
+                batch.decode = fast.prepare(so, batch)  # None unless a pure-decode step
         with phase(MODEL):
-            streams = self.model(batch, self.cache)
+            graph_logits = fast.run_graph(so, batch) if batch.decode is not None else None
+            streams = self.model(batch, self.cache) if graph_logits is None else None
         picks = [i for i, r in enumerate(so.scheduled) if r.needs_sample]
         logprobs: list[list[float]] = [[] for _ in so.scheduled]
         tops: list[list[list[tuple[int, float]]]] = [[] for _ in so.scheduled]
@@ -70,7 +77,7 @@ class ModelRunner:
         if picks:
             rows = torch.tensor([batch.seqs[i].offset + batch.seqs[i].length - 1 for i in picks], device=self.device)
             with phase(LOGITS):
-                logits = self.model.compute_logits(streams[rows])
+                logits = self.model.compute_logits(streams[rows]) if graph_logits is None else graph_logits[rows]
             if grammar is not None:  # host fill overlaps the async forward on a GPU
                 grammar.apply(logits, [so.scheduled[i].req_id for i in picks])
             reqs = [so.scheduled[i] for i in picks]

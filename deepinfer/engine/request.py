@@ -42,6 +42,9 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+#: Token id the scheduler feeds for a token an in-flight step has not returned yet (async
+#: scheduling); the runner replaces it on the device, and a leftover one fails loudly.
+PLACEHOLDER_TOKEN_ID = -1
 #: Inverse of ``finish_reason``, used by ``Scheduler.finish_request``.
 STATUS_FOR_REASON = {reason: status for status, reason in _FINISH_REASON.items()}
 
@@ -93,6 +96,10 @@ class Request:
         # drafter has them, are survival probabilities per draft (confidence scheduling).
         self.draft_token_ids: list[int] = []
         self.draft_confidences: list[float] = []
+        # Async scheduling (deepinfer/engine/async_engine.py): tokens sampled by steps still
+        # in flight. They are never in all_token_ids / output_token_ids; the scheduler
+        # feeds PLACEHOLDER_TOKEN_ID for them and the runner gathers the real id on the device.
+        self.num_output_placeholders = 0
 
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -103,6 +110,11 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus those still being sampled by in-flight steps (async scheduling)."""
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from deepinfer.engine.kv_cache_manager import HybridKVCacheManager
 from deepinfer.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from deepinfer.engine.request import STATUS_FOR_REASON, Request, RequestStatus
+from deepinfer.engine.request import PLACEHOLDER_TOKEN_ID, STATUS_FOR_REASON, Request, RequestStatus
 from deepinfer.engine.stop import check_stop
 
 
@@ -126,6 +126,14 @@ class Scheduler:
             cap = min(cap, left - req.num_output_tokens - 1)
         return max(0, cap)
 
+    def _length_capped(self, req: Request) -> bool:
+        """Async scheduling: in-flight samples already reach max_tokens / max_model_len, so the
+        request finishes when they land; more work for it would be discarded."""
+        if not req.num_output_placeholders:
+            return False
+        return (req.num_output_tokens + req.num_output_placeholders >= req.sampling_params.max_tokens
+                or req.num_tokens_with_placeholders >= self.config.max_model_len)
+
     def _lookahead(self, req: Request, n: int, remaining: int, k: int) -> int:
         """Extra block room for the drafter's speculative rows, below max_model_len."""
         if not self.config.num_lookahead_tokens or n < remaining:
@@ -134,17 +142,18 @@ class Scheduler:
 
     def _scheduled(self, req: Request, n: int, is_new: bool, num_drafts: int = 0) -> ScheduledRequest:
         start = req.num_computed_tokens
+        known = req.all_token_ids[start : start + n]  # async scheduling: unknown tokens are placeholders
         return ScheduledRequest(
             req_id=req.req_id,
-            token_ids=req.all_token_ids[start : start + n] + req.draft_token_ids[:num_drafts],
+            token_ids=known + [PLACEHOLDER_TOKEN_ID] * (n - len(known)) + req.draft_token_ids[:num_drafts],
             num_draft_tokens=num_drafts,
             start_pos=start,
             block_table={g: list(t) for g, t in req.block_table.items()},
             state_slot=req.state_slot,  # type: ignore[arg-type]
             is_new=is_new,
-            needs_sample=start + n == req.num_tokens,  # n counts real tokens only
+            needs_sample=start + n == req.num_tokens_with_placeholders,  # n counts real tokens only
             sampling_params=req.sampling_params,
-            output_len=req.num_output_tokens,
+            output_len=req.num_output_tokens + req.num_output_placeholders,  # async: in-flight samples count
             num_prompt_tokens=req.num_prompt_tokens,
         )
 
@@ -165,9 +174,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            remaining = req.num_tokens - req.num_computed_tokens
+            remaining = req.num_tokens_with_placeholders - req.num_computed_tokens
             n = min(remaining, budget)
-            if remaining <= 0 or (n < remaining and not cfg.chunked_prefill):
+            if remaining <= 0 or (n < remaining and not cfg.chunked_prefill) or self._length_capped(req):
                 i += 1
                 continue
             k = self._num_drafts(req, n, remaining, budget)  # speculative decoding: verify k drafts

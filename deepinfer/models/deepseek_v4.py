@@ -50,6 +50,10 @@ class Block(nn.Module):
         streams = hc_post(self.attn(self.attn_norm(x), ctx), streams, post, comb)
         post, comb, x = hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
                                cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        if ctx.batch.decode is not None:  # fast path: router + fused routed experts
+            from .fast.moe import moe_forward
+            return hc_post(moe_forward(self.ffn, self.ffn_norm(x), ctx.batch.input_ids, ctx.batch.decode.ops),
+                           streams, post, comb)
         return hc_post(self.ffn(self.ffn_norm(x), ctx.batch.input_ids), streams, post, comb)
 
 
@@ -100,11 +104,15 @@ class DeepseekV4Model(nn.Module):
         return ForwardContext(batch, cache, self.rotary_main, self.rotary_compress)
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """Run every layer over the flattened batch; returns the final streams [T, N, D]."""
+    def forward(self, batch: ForwardBatch, cache: KVCache, capture: dict | None = None) -> torch.Tensor:
+        """Run every layer over the flattened batch; returns the final streams [T, N, D].
+        ``capture`` (optional, DSpark target features): for every layer id among its keys,
+        ``capture[i]`` is set to that layer's INPUT streams [T, N, D] (its attention input)."""
         ctx = self.context(batch, cache)
         streams = self.embed(batch.input_ids).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if capture is not None and i in capture:
+                capture[i] = streams
             streams = layer(streams, ctx)
         return streams
 

@@ -42,6 +42,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     seqs: list[SeqMeta] = field(default_factory=list)
     replay: object | None = None  # V4.1 SWA bounded replay (bounded_replay.ReplayConfig)
+    decode: object | None = None  # GPU fast path: pure-decode step tensors (models.fast.decode.DecodeMeta)
 
     @property
     def num_tokens(self) -> int:
