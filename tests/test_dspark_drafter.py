@@ -7,17 +7,16 @@ Markov bias, the confidence and the sequential draft rule match a hand computati
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import SamplingParams
 from deepinfer.models.dspark import ConfidenceHead, MarkovHead
 from deepinfer.models.tiny import tiny_dspark_config, write_tiny_checkpoint
 from deepinfer.spec.dspark_drafter import DSparkDrafter
 
-VOCAB = 512
+from spec_common import PARAMS, VOCAB, make_llm, mixed_prompts
 
 
 @pytest.fixture(scope="module")
@@ -29,20 +28,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = random.Random(7)
-    shared = [rng.randrange(VOCAB) for _ in range(128)]
-    return [[rng.randrange(VOCAB) for _ in range(5)], shared + [rng.randrange(VOCAB) for _ in range(9)],
-            [rng.randrange(VOCAB) for _ in range(61)], shared + [rng.randrange(VOCAB) for _ in range(3)],
-            [rng.randrange(VOCAB) for _ in range(133)]]
-
-
-PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 17, 30, 9, 21)]
-
-
-def make_llm(ckpt, **kw):
-    kw.setdefault("max_model_len", 512)
-    kw.setdefault("max_num_seqs", 8)
-    return LLM(ckpt, dtype="float32", **kw)
+    return mixed_prompts()
 
 
 def generate(llm, prompts, params=PARAMS):

@@ -6,15 +6,13 @@ the compressor rings (a test that fails without `deepinfer/spec/kv.py`)."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import SamplingParams
 from deepinfer.models.tiny import tiny_config, write_tiny_checkpoint
 from deepinfer.spec import OracleDrafter, RandomDrafter
 
-VOCAB = 512
+from spec_common import PARAMS, VOCAB, make_llm, mixed_prompts
 
 
 @pytest.fixture(scope="module")
@@ -26,20 +24,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = random.Random(7)
-    shared = [rng.randrange(VOCAB) for _ in range(128)]
-    return [[rng.randrange(VOCAB) for _ in range(5)], shared + [rng.randrange(VOCAB) for _ in range(9)],
-            [rng.randrange(VOCAB) for _ in range(61)], shared + [rng.randrange(VOCAB) for _ in range(3)],
-            [rng.randrange(VOCAB) for _ in range(133)]]
-
-
-PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 17, 30, 9, 21)]
-
-
-def make_llm(ckpt, **kw):
-    kw.setdefault("max_model_len", 512)
-    kw.setdefault("max_num_seqs", 8)
-    return LLM(ckpt, dtype="float32", **kw)
+    return mixed_prompts()
 
 
 @pytest.fixture(scope="module")
