@@ -5,9 +5,10 @@ Math per routed (token t, slot j) with expert e = ids[t, j], as the routed part 
 ``deepinfer.models.moe.MoE`` computes it (torch's bf16 rounding points kept):
 ``g = round(x_t W1[e]^T)``, ``u = round(x_t W3[e]^T)``,
 ``a = round(round(silu(min(g, L))) * clamp(u, -L, L))``, ``y = round(a W2[e]^T)``,
-``y = round(y * w[t, j])`` and ``out[t] = round(sum_j y_j)`` summed in float32 in slot
-order (the reference adds in bf16 in expert order: results agree to bf16 rounding;
-the kernel's order is fixed, so its output does not depend on the other tokens).
+``y = round(y * w[t, j])`` and ``out[t]`` the slots added one at a time in ascending
+expert id with ``out = round(out + y_j)`` after each add, as the reference's
+``index_add_`` per expert into a bf16 output does (a fixed order per token, so the
+output does not depend on the other tokens).
 
 Weights are stacked over experts: w1 (gate) and w3 (up) [E, I, H], w2 (down) [E, H, I];
 ids outside [0, E) (experts on another rank) contribute nothing.
@@ -107,12 +108,29 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, CODE: tl.
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < H
+    # The reference adds the slots with one index_add_ per expert, ascending expert id,
+    # into an output of the activation dtype: out = round(out + y) after every add. Do
+    # the same: pass i adds the slot of the i-th smallest expert id (ids of one token are
+    # distinct; equal ids, which routing never produces, go in slot order).
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        e = tl.load(ids_ptr + t * TOPK + j) + tl.zeros([BLOCK], dtype=tl.int32)
+    prev_e = -1
+    prev_j = -1
+    for i in tl.static_range(TOPK):
+        best_e = 2147483647
+        best_j = -1
+        for j in tl.static_range(TOPK):
+            ej = tl.load(ids_ptr + t * TOPK + j)
+            after = (ej > prev_e) | ((ej == prev_e) & (j > prev_j))
+            better = after & ((ej < best_e) | ((ej == best_e) & (j < best_j)))
+            best_e = tl.where(better, ej, best_e)
+            best_j = tl.where(better, j, best_j)
+        prev_e = best_e
+        prev_j = best_j
+        e = best_e + tl.zeros([BLOCK], dtype=tl.int32)
         ok = cmask & (e >= 0) & (e < E)
-        acc += tl.load(y_ptr + (t * TOPK + j) * H + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * H + cols, round_to(acc, CODE, INTERP).to(out_ptr.dtype.element_ty), mask=cmask)
+        y = tl.load(y_ptr + (t * TOPK + best_j) * H + cols, mask=ok, other=0.0).to(tl.float32)
+        acc = tl.where(ok, round_to(acc + y, CODE, INTERP), acc)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 def _config(n_slots: int, n_experts: int) -> dict[str, int]:
