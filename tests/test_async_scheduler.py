@@ -9,7 +9,6 @@ appended. Its results come back one step late, as in the async engine loop.
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
@@ -17,7 +16,8 @@ from deepinfer.engine.async_engine import AsyncScheduler
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 
-from test_scheduler import R, FakeRunner, _reference_outputs, all_free, make, setup  # noqa: I001
+from test_scheduler import (R, FakeRunner, _reference_outputs, all_free, make, setup,  # noqa: I001
+                            stress_prompts, stress_scheduler)
 
 
 class AsyncFakeRunner(FakeRunner):
@@ -204,15 +204,9 @@ def test_preempted_request_gets_in_flight_token_by_hand() -> None:
 
 @pytest.mark.parametrize("chunked,caching", [(True, True), (True, False), (False, True)])
 def test_async_stress_200_requests_match_huge_pool(chunked: bool, caching: bool) -> None:
-    rng = random.Random(4321)
-    prefixes = [[rng.randrange(2, 99) for _ in range(rng.randrange(0, 17))] for _ in range(5)]
-    prompts: dict[str, tuple[list[int], int]] = {}
-    for i in range(200):
-        body = [rng.randrange(2, 99) for _ in range(rng.randrange(1, 30))]
-        prompts[f"q{i}"] = (rng.choice(prefixes) + body, rng.randrange(1, 20))
+    prompts = stress_prompts(4321)
     ref = _reference_outputs(prompts)
-    sched = make(blocks={"swa": 16, "csa": 24, "hca": 20}, seqs=16, budget=32 if chunked else 64,
-                 max_len=64, chunked=chunked, caching=caching)
+    sched = stress_scheduler(chunked, caching)
     runner = AsyncFakeRunner(sched)
     reqs = [R(rid, p, max_tokens=mt) for rid, (p, mt) in prompts.items()]
     drive_async(sched, runner, [reqs[i : i + 7] for i in range(0, len(reqs), 7)])

@@ -234,18 +234,28 @@ def test_latest_arrival_preempts_itself() -> None:
     assert all(r.num_output_tokens == 14 for r in runner.reqs.values()) and all_free(sched)
 
 
-@pytest.mark.parametrize("chunked,caching", [(True, True), (True, False), (False, True)])
-def test_stress_200_requests_match_huge_pool(chunked: bool, caching: bool) -> None:
-    rng = random.Random(1234)
+def stress_prompts(seed: int) -> dict[str, tuple[list[int], int]]:
+    """200 requests (id -> (prompt, max_tokens)), many sharing one of 5 prefixes."""
+    rng = random.Random(seed)
     prefixes = [[rng.randrange(2, 99) for _ in range(rng.randrange(0, 17))] for _ in range(5)]
     prompts: dict[str, tuple[list[int], int]] = {}
     for i in range(200):
         body = [rng.randrange(2, 99) for _ in range(rng.randrange(1, 30))]
         prompts[f"q{i}"] = (rng.choice(prefixes) + body, rng.randrange(1, 20))
-    ref = _reference_outputs(prompts)
+    return prompts
+
+
+def stress_scheduler(chunked: bool, caching: bool) -> Scheduler:
     # max_len 64 -> 16 full-group blocks per request: the pools fit ~1-2 long requests.
-    sched = make(blocks={"swa": 16, "csa": 24, "hca": 20}, seqs=16, budget=32 if chunked else 64,
-                 max_len=64, chunked=chunked, caching=caching)
+    return make(blocks={"swa": 16, "csa": 24, "hca": 20}, seqs=16, budget=32 if chunked else 64,
+                max_len=64, chunked=chunked, caching=caching)
+
+
+@pytest.mark.parametrize("chunked,caching", [(True, True), (True, False), (False, True)])
+def test_stress_200_requests_match_huge_pool(chunked: bool, caching: bool) -> None:
+    prompts = stress_prompts(1234)
+    ref = _reference_outputs(prompts)
+    sched = stress_scheduler(chunked, caching)
     runner = FakeRunner(sched)
     reqs = [R(rid, p, max_tokens=mt) for rid, (p, mt) in prompts.items()]
     drive(sched, runner, [reqs[i : i + 7] for i in range(0, len(reqs), 7)])  # 7 arrive per step
