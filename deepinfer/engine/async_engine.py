@@ -257,11 +257,6 @@ class AsyncStepLoop:
         self.llm._after_update(touched, detoks, bar)
         self.llm.metrics.record_step(so, touched, t_start)
 
-    def drain(self, detoks: dict | None = None) -> None:
-        """Apply the step in flight, if any."""
-        if self._pending is not None:
-            self._apply(detoks or {}, None)
-
     def discard(self) -> None:
         """Wait for the step in flight and drop its results (abort path)."""
         item, self._pending = self._pending, None

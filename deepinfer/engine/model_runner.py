@@ -64,7 +64,7 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids, sampled)
         with phase(PREPARE_INPUTS):
             batch = self.build_batch(so)
-            fast = getattr(self, "fast", None)
+            fast = self.fast
             if fast is not None and self.replay is None and not batch_invariant.enabled():
                 batch.decode = fast.prepare(so, batch)  # None unless a pure-decode step
         with phase(MODEL):

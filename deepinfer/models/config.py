@@ -87,9 +87,6 @@ class DeepseekV4Config:
         return self.dspark_block_size > 0
 
     # ---- derived views -------------------------------------------------------------
-    def layer_ratio(self, layer: int) -> int:
-        return self.compress_ratios[layer]
-
     def is_hash_layer(self, layer: int) -> bool:
         return layer < self.num_hash_layers
 
