@@ -14,6 +14,7 @@ module                 wrapper(s)
 ``decode_attention``   ``decode_attention(q, positions, swa_pool, swa_table, window, sink,
                        comp_pool, comp_table, ratio, topk_idx, kv_chunk, max_keys)``
 ``indexer_topk``       ``indexer_scores(...)``, ``indexer_topk(...) -> ids int32 (-1 = none)``
+``mhc``                ``hc_pre``, ``hc_post_pre``, ``hc_head`` (fused mHC + sublayer norm)
 =====================  ===============================================================
 
 Kernels take CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` is set before
@@ -21,4 +22,4 @@ the modules are imported (the CPU tests do this). Importing this package imports
 neither triton nor torch; the submodules do.
 """
 
-__all__ = ["decode_attention", "fused_moe", "indexer_topk", "moe_align", "rms_norm", "rotary", "router"]
+__all__ = ["decode_attention", "fused_moe", "indexer_topk", "mhc", "moe_align", "rms_norm", "rotary", "router"]

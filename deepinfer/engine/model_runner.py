@@ -68,8 +68,8 @@ class ModelRunner:
             if fast is not None and self.replay is None and not batch_invariant.enabled():
                 batch.decode = fast.prepare(so, batch)  # None unless a pure-decode step
         with phase(MODEL):
-            graph_logits = fast.run_graph(so, batch) if batch.decode is not None else None
-            streams = self.model(batch, self.cache) if graph_logits is None else None
+            fast_logits = fast.run(so, batch) if batch.decode is not None else None  # every row
+            streams = self.model(batch, self.cache) if fast_logits is None else None
         picks = [i for i, r in enumerate(so.scheduled) if r.needs_sample]
         logprobs: list[list[float]] = [[] for _ in so.scheduled]
         tops: list[list[list[tuple[int, float]]]] = [[] for _ in so.scheduled]
@@ -77,7 +77,7 @@ class ModelRunner:
         if picks:
             rows = torch.tensor([batch.seqs[i].offset + batch.seqs[i].length - 1 for i in picks], device=self.device)
             with phase(LOGITS):
-                logits = self.model.compute_logits(streams[rows]) if graph_logits is None else graph_logits[rows]
+                logits = self.model.compute_logits(streams[rows]) if fast_logits is None else fast_logits[rows]
             if grammar is not None:  # host fill overlaps the async forward on a GPU
                 grammar.apply(logits, [so.scheduled[i].req_id for i in picks])
             reqs = [so.scheduled[i] for i in picks]

@@ -50,21 +50,21 @@ def _ensure_kernels_importable() -> None:
 
 
 def kernel_ops(kind: str) -> SimpleNamespace:
-    """The four batched ops: ``"triton"`` (deepinfer_kernels) or ``"ref"`` (their torch
+    """The batched ops: ``"triton"`` (deepinfer_kernels) or ``"ref"`` (their torch
     references: per-request loops with host reads, for CPU tests only)."""
     _ensure_kernels_importable()
     from deepinfer_kernels import decode_attention as da
     from deepinfer_kernels import fused_moe as fm
     from deepinfer_kernels import indexer_topk as it
+    from deepinfer_kernels import mhc
     from deepinfer_kernels import router as rt
 
-    if kind == "triton":
-        return SimpleNamespace(kind=kind, decode_attention=da.decode_attention, indexer_topk=it.indexer_topk,
-                               router=rt.router, fused_moe=fm.fused_moe)
-    if kind == "ref":
-        return SimpleNamespace(kind=kind, decode_attention=da.decode_attention_ref, indexer_topk=it.indexer_topk_ref,
-                               router=rt.router_ref, fused_moe=fm.fused_moe_ref)
-    raise ValueError(f"unknown fast-path op kind {kind!r}")
+    if kind not in ("triton", "ref"):
+        raise ValueError(f"unknown fast-path op kind {kind!r}")
+    sfx = "" if kind == "triton" else "_ref"
+    mods = {"decode_attention": da, "indexer_topk": it, "router": rt, "fused_moe": fm, "hc_pre": mhc,
+            "hc_post_pre": mhc, "hc_head": mhc}
+    return SimpleNamespace(kind=kind, **{name: getattr(mod, name + sfx) for name, mod in mods.items()})
 
 
 @dataclass

@@ -29,6 +29,7 @@ from deepinfer.config import register_env_var
 
 from ..kv_cache import ForwardBatch
 from .decode import DecodeMeta, kernel_ops
+from .forward import decode_logits
 from .moe import supported as moe_supported
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -63,6 +64,10 @@ class FastPath:
         if mode in ("0", "off", "false", "no") or type(model) is not DeepseekV4Model:
             return None
         if getattr(model.cfg, "is_v41", False):
+            return None
+        n = model.cfg.hc_mult
+        if n < 4 or n & (n - 1):  # the fused mHC kernels hold N x N in registers
+            cls.unavailable = f"hc_mult={n} (fused mHC needs a power of two >= 4)"
             return None
         device = cache.swa[0].device
         graphs_env = os.environ.get("DEEPINFER_CUDA_GRAPHS", "")
@@ -125,7 +130,13 @@ class FastPath:
         ids, meta = self._meta(packed, width)
         batch = ForwardBatch(ids, meta.positions, [])
         batch.decode = meta
-        return self.model.compute_logits(self.model(batch, self.cache))
+        return decode_logits(self.model, batch, self.cache)
+
+    def run(self, so: Any, batch: ForwardBatch) -> torch.Tensor:
+        """Float32 logits [R, V] of a pure-decode step (``batch.decode`` from :meth:`prepare`):
+        from its CUDA graph when one fits, else eagerly."""
+        logits = self.run_graph(so, batch)
+        return decode_logits(self.model, batch, self.cache) if logits is None else logits
 
     @staticmethod
     def _set_ids(packed: torch.Tensor, input_ids: torch.Tensor, n: int) -> None:

@@ -1,0 +1,52 @@
+"""The whole model for a pure-decode step on the fast path: embedding -> layers -> head,
+with mHC fused (``deepinfer_kernels.mhc``).
+
+Same math as ``DeepseekV4Model.forward`` + ``compute_logits``; the launch structure per
+layer is:
+
+    hc_pre/hc_post_pre (attn)  -> attention_decode -> hc_post_pre (ffn) -> moe_forward
+
+where ``hc_post_pre`` applies the previous sublayer's ``hc_post`` and the next
+sublayer's ``hc_pre`` + input RMSNorm in one pass (two launches), and the last layer's
+``hc_post`` goes into ``hc_head`` + the final norm. Layer 0 reads the embedding broadcast
+over the streams (a stride-0 view, no copy).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..kv_cache import ForwardBatch, KVCache
+from .decode import attention_decode
+from .moe import moe_forward
+
+
+def _mhc_args(layer: torch.nn.Module, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return getattr(layer, f"hc_{which}_fn"), getattr(layer, f"hc_{which}_base"), getattr(layer, f"hc_{which}_scale")
+
+
+def decode_logits(model: Any, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+    """Float32 logits [R, V] of every row of a pure-decode batch (``batch.decode`` set)."""
+    cfg, ops = model.cfg, batch.decode.ops
+    iters, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+    ctx = model.context(batch, cache)
+    streams = model.embed(batch.input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1)
+    prev = None  # (sublayer output, post, comb) whose hc_post is still to apply
+    for layer in model.layers:
+        norm = (layer.attn_norm.weight, layer.attn_norm.eps)
+        if prev is None:
+            post, comb, x = ops.hc_pre(streams, *_mhc_args(layer, "attn"), iters, hc_eps, eps, norm)
+        else:
+            out, post, comb = prev
+            streams, post, comb, x = ops.hc_post_pre(out, streams, post, comb, *_mhc_args(layer, "attn"), iters,
+                                                     hc_eps, eps, norm)
+        out = attention_decode(layer.attn, x, ctx)
+        norm = (layer.ffn_norm.weight, layer.ffn_norm.eps)
+        streams, post, comb, x = ops.hc_post_pre(out, streams, post, comb, *_mhc_args(layer, "ffn"), iters,
+                                                 hc_eps, eps, norm)
+        prev = (moe_forward(layer.ffn, x, batch.input_ids, ops), post, comb)
+    x = ops.hc_head(streams, model.hc_head_fn, model.hc_head_base, model.hc_head_scale, hc_eps, eps,
+                    (model.norm.weight, model.norm.eps), prev)
+    return model.head(x).float()

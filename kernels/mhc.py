@@ -1,0 +1,270 @@
+"""Fused mHC (manifold-constrained hyper-connections) kernels: ``hc_pre``, ``hc_post``
+folded into the next ``hc_pre`` / ``hc_head``, and the sublayer input RMSNorm.
+
+Math (``deepinfer.models.mhc``; T tokens, N streams of width D, K = N * D, float32
+mixes, ``round`` = round to the activation dtype):
+
+* post (optional, the previous sublayer's output ``o`` with its ``post``/``comb``):
+  ``s[j] = round(round(round(post[j]) * o) + round(sum_i round(comb[i, j]) * s_old[i]))``
+  (torch's bf16 elementwise product and its bf16 4-wide matmul), stored as the new streams;
+* mixes ``m = (s_flat @ fn^T) * rsqrt(mean(s_flat^2) + eps)``;
+* layer mode: ``pre = sigmoid(m_pre * s0 + b_pre) + hc_eps``, ``post = 2 sigmoid(...)``,
+  ``comb = softmax_row(m_comb * s2 + b_comb) + hc_eps`` then Sinkhorn-Knopp (columns,
+  then ``iters - 1`` x rows + columns, each ``x / (sum + hc_eps)``);
+  head mode (``hc_head``): only ``pre = sigmoid(m * s + b) + hc_eps``;
+* collapse ``x = round(sum_j pre[j] * s[j])``, optionally ``RMSNorm(x)`` (the sublayer's
+  attn_norm / ffn_norm, or the model's final norm after the head).
+
+Two launches, whatever N and D: ``_mix_kernel`` (grid: token blocks x K splits) computes
+the new streams of its K slice, their partial sum of squares and partial mix dot products
+(float32, IEEE); ``_finish_kernel`` (grid: token blocks) adds the partials in split order,
+runs the activations and all Sinkhorn iterations in registers and writes post, comb and
+the (normed) collapse. Every token's numbers depend only on its own row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_device, dtype_code, interpreting, next_pow2, round_to
+
+#: Columns of K each program of the mix kernel reduces (fixed: never derived from T).
+K_SPLIT = 512
+
+
+@triton.jit
+def _mix_kernel(src_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr, ss_ptr,
+                T, D, stride_st, stride_sj, stride_ot, n_splits,
+                N: tl.constexpr, HAS_POST: tl.constexpr, HEAD: tl.constexpr, CODE: tl.constexpr,
+                INTERP: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                SPLIT: tl.constexpr):
+    pid_t, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < T
+    r2 = rows.to(tl.int64)[:, None]
+    K = N * D
+    cp = tl.arange(0, NP)
+    cc = tl.arange(0, N * N)
+    acc_pre = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
+    acc_post = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
+    acc_comb = tl.zeros([BLOCK_T, N * N], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for k0 in range(pid_k * SPLIT, tl.minimum(pid_k * SPLIT + SPLIT, K), BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        kmask = kk < K
+        m2 = rmask[:, None] & kmask[None, :]
+        j = (kk // D)[None, :]
+        d = (kk % D)[None, :]
+        if HAS_POST:  # hc_post of the previous sublayer, for this slice of the new streams
+            o = tl.load(out_ptr + r2 * stride_ot + d, mask=m2, other=0.0).to(tl.float32)
+            p = round_to(tl.load(post_ptr + r2 * N + j, mask=m2, other=0.0), CODE, INTERP)
+            v = round_to(p * o, CODE, INTERP)
+            mix = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+            for i in tl.static_range(N):
+                c = round_to(tl.load(comb_ptr + r2 * (N * N) + i * N + j, mask=m2, other=0.0), CODE, INTERP)
+                s = tl.load(src_ptr + r2 * stride_st + i * stride_sj + d, mask=m2, other=0.0).to(tl.float32)
+                mix += c * s
+            v = round_to(v + round_to(mix, CODE, INTERP), CODE, INTERP)
+            tl.store(new_ptr + r2 * K + kk[None, :], v.to(new_ptr.dtype.element_ty), mask=m2)
+        else:
+            v = tl.load(src_ptr + r2 * stride_st + j * stride_sj + d, mask=m2, other=0.0).to(tl.float32)
+        ss += tl.sum(v * v, axis=1)
+        kc = kk[:, None]
+        w = tl.load(fn_ptr + cp[None, :] * K + kc, mask=kmask[:, None] & (cp[None, :] < N), other=0.0)
+        acc_pre = tl.dot(v, w, acc_pre, input_precision="ieee")
+        if not HEAD:
+            w = tl.load(fn_ptr + (N + cp[None, :]) * K + kc, mask=kmask[:, None] & (cp[None, :] < N), other=0.0)
+            acc_post = tl.dot(v, w, acc_post, input_precision="ieee")
+            w = tl.load(fn_ptr + (2 * N + cc[None, :]) * K + kc, mask=kmask[:, None], other=0.0)
+            acc_comb = tl.dot(v, w, acc_comb, input_precision="ieee")
+    # partials: [n_splits, T, 2 * NP + N * N] (pre | post | comb), [n_splits, T]
+    W = 2 * NP + N * N
+    base = part_ptr + (pid_k * T + r2) * W
+    tl.store(base + cp[None, :], acc_pre, mask=rmask[:, None])
+    if not HEAD:
+        tl.store(base + NP + cp[None, :], acc_post, mask=rmask[:, None])
+        tl.store(base + 2 * NP + cc[None, :], acc_comb, mask=rmask[:, None])
+    tl.store(ss_ptr + pid_k * T + rows, ss, mask=rmask)
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _finish_kernel(src_ptr, stride_st, stride_sj, part_ptr, ss_ptr, base_ptr, scale_ptr, norm_w_ptr,
+                   post_ptr, comb_ptr, x_ptr, T, D, n_splits, iters, hc_eps, norm_eps, out_eps,
+                   N: tl.constexpr, HEAD: tl.constexpr, HAS_NORM: tl.constexpr, CODE: tl.constexpr,
+                   INTERP: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < T
+    r2 = rows.to(tl.int64)[:, None]
+    cp = tl.arange(0, NP)
+    cc = tl.arange(0, N * N)
+    W = 2 * NP + N * N
+    m_pre = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
+    m_post = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
+    m_comb = tl.zeros([BLOCK_T, N * N], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for s in range(0, n_splits):  # split order: fixed, so the sums never depend on T
+        base = part_ptr + (s * T + r2) * W
+        m_pre += tl.load(base + cp[None, :], mask=rmask[:, None], other=0.0)
+        if not HEAD:
+            m_post += tl.load(base + NP + cp[None, :], mask=rmask[:, None], other=0.0)
+            m_comb += tl.load(base + 2 * NP + cc[None, :], mask=rmask[:, None], other=0.0)
+        ss += tl.load(ss_ptr + s * T + rows, mask=rmask, other=0.0)
+    inv = tl.div_rn(1.0, tl.sqrt_rn(ss / (N * D) + norm_eps))[:, None]
+    pmask = cp < N
+    pre = _sigmoid(m_pre * inv * tl.load(scale_ptr) + tl.load(base_ptr + cp, mask=pmask, other=0.0)[None, :]) + hc_eps
+    if not HEAD:
+        post = 2.0 * _sigmoid(m_post * inv * tl.load(scale_ptr + 1)
+                              + tl.load(base_ptr + N + cp, mask=pmask, other=0.0)[None, :])
+        tl.store(post_ptr + r2 * N + cp[None, :], post, mask=rmask[:, None] & pmask[None, :])
+        logit = m_comb * inv * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + cc)[None, :]
+        logit = tl.reshape(logit, [BLOCK_T, N, N])
+        e = tl.exp(logit - tl.max(logit, axis=2)[:, :, None])
+        comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+        for _ in range(iters - 1):
+            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+        tl.store(comb_ptr + r2 * (N * N) + cc[None, :], tl.reshape(comb, [BLOCK_T, N * N]), mask=rmask[:, None])
+    # collapse (and the sublayer's RMSNorm: a first pass for the sum of squares)
+    ss2 = tl.zeros([BLOCK_T], dtype=tl.float32)
+    if HAS_NORM:
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            m2 = rmask[:, None] & (d[None, :] < D)
+            x = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+            for j in tl.static_range(N):
+                pj = tl.sum(tl.where(cp[None, :] == j, pre, 0.0), axis=1)
+                sj = tl.load(src_ptr + r2 * stride_st + j * stride_sj + d[None, :], mask=m2, other=0.0)
+                x += pj[:, None] * sj.to(tl.float32)
+            x = round_to(x, CODE, INTERP)
+            ss2 += tl.sum(x * x, axis=1)
+    inv2 = tl.div_rn(1.0, tl.sqrt_rn(ss2 / D + out_eps))[:, None]
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        m2 = rmask[:, None] & (d[None, :] < D)
+        x = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+        for j in tl.static_range(N):
+            pj = tl.sum(tl.where(cp[None, :] == j, pre, 0.0), axis=1)
+            sj = tl.load(src_ptr + r2 * stride_st + j * stride_sj + d[None, :], mask=m2, other=0.0)
+            x += pj[:, None] * sj.to(tl.float32)
+        x = round_to(x, CODE, INTERP)
+        if HAS_NORM:
+            w = tl.load(norm_w_ptr + d, mask=d < D, other=0.0)
+            x = round_to(round_to(x * inv2, CODE, INTERP) * w[None, :], CODE, INTERP)
+        tl.store(x_ptr + r2 * D + d[None, :], x.to(x_ptr.dtype.element_ty), mask=m2)
+
+
+def _check_streams(streams: torch.Tensor) -> None:
+    n = streams.shape[1]
+    if streams.dim() != 3 or streams.stride(2) != 1:
+        raise ValueError(f"mhc: streams must be [T, N, D] with contiguous D, got {tuple(streams.shape)}")
+    if n < 4 or n & (n - 1):
+        raise ValueError(f"mhc: hc_mult={n} unsupported by the kernel (a power of two >= 4)")
+
+
+def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+            hc_eps: float, norm_eps: float, head: bool, prev: tuple | None, norm: tuple | None):
+    check_device(streams)
+    _check_streams(streams)
+    t, n, d = streams.shape
+    dev, dtype = streams.device, streams.dtype
+    fn, base, scale = fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous()
+    src, new = streams, None
+    out = post_in = comb_in = streams
+    if prev is not None:
+        out, post_in, comb_in = prev
+        if out.stride(-1) != 1:
+            out = out.contiguous()
+        post_in, comb_in = post_in.float().contiguous(), comb_in.float().contiguous()
+        new = src = torch.empty(t, n, d, dtype=dtype, device=dev)
+    np_ = max(16, next_pow2(n))
+    n_splits = triton.cdiv(n * d, K_SPLIT)
+    part = torch.empty(n_splits, t, 2 * np_ + n * n, dtype=torch.float32, device=dev)
+    ss = torch.empty(n_splits, t, dtype=torch.float32, device=dev)
+    post = torch.empty(t, n, dtype=torch.float32, device=dev)
+    comb = torch.empty(t, n, n, dtype=torch.float32, device=dev)
+    x = torch.empty(t, d, dtype=dtype, device=dev)
+    if t == 0:
+        return new, post, comb, x
+    code, interp = dtype_code(dtype), interpreting()
+    opts = {} if interp else {"enable_fp_fusion": False}
+    _mix_kernel[(triton.cdiv(t, 16), n_splits)](
+        streams, out, post_in, comb_in, new if new is not None else x, fn, part, ss,
+        t, d, streams.stride(0), streams.stride(1), out.stride(0), n_splits,
+        N=n, HAS_POST=prev is not None, HEAD=head, CODE=code, INTERP=interp, NP=np_, BLOCK_T=16,
+        BLOCK_K=64, SPLIT=K_SPLIT, num_warps=4, **opts)
+    norm_w, out_eps = (norm[0].float().contiguous(), float(norm[1])) if norm is not None else (base, 1.0)
+    _finish_kernel[(triton.cdiv(t, 8),)](
+        src, src.stride(0), src.stride(1), part, ss, base, scale, norm_w, post, comb, x,
+        t, d, n_splits, int(iters), float(hc_eps), float(norm_eps), out_eps,
+        N=n, HEAD=head, HAS_NORM=norm is not None, CODE=code, INTERP=interp, NP=np_, BLOCK_T=8,
+        BLOCK_D=min(256, next_pow2(d)), num_warps=4, **opts)
+    return new, post, comb, x
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+           hc_eps: float, norm_eps: float, norm: tuple[torch.Tensor, float] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``mhc.hc_pre`` -> (post [T, N] f32, comb [T, N, N] f32, x [T, D]). ``streams`` may be
+    a stride-0 expand over N (the embedding at layer 0). ``norm=(weight, eps)`` returns
+    ``RMSNorm(x)`` instead of x (the sublayer's input norm)."""
+    _, post, comb, x = _launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, None, norm)
+    return post, comb, x
+
+
+def hc_post_pre(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
+                norm_eps: float, norm: tuple[torch.Tensor, float] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``mhc.hc_post(out, streams, post, comb)`` then ``hc_pre`` of the next sublayer:
+    -> (new streams [T, N, D], post, comb, x)."""
+    return _launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, (out, post, comb), norm)
+
+
+def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+            norm_eps: float, norm: tuple[torch.Tensor, float] | None = None,
+            prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``mhc.hc_head`` -> x [T, D] (``RMSNorm(x)`` with ``norm``); ``prev=(out, post, comb)``
+    first applies the last sublayer's ``hc_post``."""
+    return _launch(streams, fn, base, scale, 0, hc_eps, norm_eps, True, prev, norm)[3]
+
+
+# ----------------------------------------------------------------------------- references
+def _ref_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None) -> torch.Tensor:
+    from deepinfer.models.norm import RMSNorm
+
+    if norm is None:
+        return x
+    return RMSNorm.forward(type("N", (), {"weight": norm[0], "eps": norm[1]})(), x)
+
+
+def hc_pre_ref(streams, fn, base, scale, iters, hc_eps, norm_eps, norm=None):
+    """Torch reference of :func:`hc_pre`: the model's ``mhc.hc_pre`` (+ RMSNorm)."""
+    from deepinfer.models import mhc
+
+    post, comb, x = mhc.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
+    return post, comb, _ref_norm(x, norm)
+
+
+def hc_post_pre_ref(out, streams, post, comb, fn, base, scale, iters, hc_eps, norm_eps, norm=None):
+    """Torch reference of :func:`hc_post_pre`: ``mhc.hc_post`` then ``mhc.hc_pre``."""
+    from deepinfer.models import mhc
+
+    new = mhc.hc_post(out, streams, post, comb)
+    return (new,) + hc_pre_ref(new, fn, base, scale, iters, hc_eps, norm_eps, norm)
+
+
+def hc_head_ref(streams, fn, base, scale, hc_eps, norm_eps, norm=None, prev=None):
+    """Torch reference of :func:`hc_head`: (``mhc.hc_post``), ``mhc.hc_head`` (+ RMSNorm)."""
+    from deepinfer.models import mhc
+
+    if prev is not None:
+        streams = mhc.hc_post(prev[0], streams, prev[1], prev[2])
+    return _ref_norm(mhc.hc_head(streams, fn, base, scale, hc_eps, norm_eps), norm)

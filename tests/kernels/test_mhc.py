@@ -1,0 +1,112 @@
+"""Fused mHC kernels vs the model's mhc.py (interpreter on CPU, tiny shapes, fresh inputs)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernel_testutil import DEVICE, assert_close, gen  # noqa: E402
+
+from deepinfer_kernels.mhc import (hc_head, hc_head_ref, hc_post_pre, hc_post_pre_ref, hc_pre,  # noqa: E402
+                                   hc_pre_ref)
+
+N, ITERS, HC_EPS, EPS = 4, 20, 1e-6, 1e-6
+
+
+def _params(g: torch.Generator, d: int, head: bool = False):
+    """Mix weights like a checkpoint's: float32, small, with non-trivial base and scale."""
+    mix = N if head else (2 + N) * N
+    fn = (torch.randn(mix, N * d, generator=g) * 0.05).to(DEVICE)
+    base = (torch.randn(mix, generator=g) * 0.5).to(DEVICE)
+    scale = (torch.rand(1 if head else 3, generator=g) + 0.5).to(DEVICE)
+    return fn, base, scale
+
+
+def _streams(g: torch.Generator, t: int, d: int, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.randn(t, N, d, generator=g) * 2 + 0.3).to(dtype).to(DEVICE)
+
+
+def _norm(g: torch.Generator, d: int):
+    return (torch.rand(d, generator=g) + 0.5).to(DEVICE), 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t,d", [(3, 64), (19, 160)])  # 160: K splits end mid-stream, D not a power of two
+@pytest.mark.parametrize("normed,iters", [(False, 3), (True, ITERS)])  # 3: far from converged, every step shows
+def test_hc_pre(fresh_seed: int, dtype: torch.dtype, t: int, d: int, normed: bool, iters: int) -> None:
+    g = gen(fresh_seed)
+    streams = _streams(g, t, d, dtype)
+    fn, base, scale = _params(g, d)
+    norm = _norm(g, d) if normed else None
+    post, comb, x = hc_pre(streams, fn, base, scale, iters, HC_EPS, EPS, norm)
+    post_r, comb_r, x_r = hc_pre_ref(streams, fn, base, scale, iters, HC_EPS, EPS, norm)
+    assert post.dtype == comb.dtype == torch.float32 and x.dtype == dtype
+    assert_close(post, post_r, torch.float32)
+    assert_close(comb, comb_r, torch.float32)
+    assert_close(x, x_r, dtype)
+    # the Sinkhorn output is (nearly) doubly stochastic: the kernel really iterated
+    assert torch.allclose(comb.sum(-2), torch.ones(t, N, device=DEVICE), atol=1e-4)
+    if iters == ITERS:
+        assert torch.allclose(comb.sum(-1), torch.ones(t, N, device=DEVICE), atol=1e-2)
+
+
+def test_hc_pre_expanded_embedding(fresh_seed: int) -> None:
+    """Layer 0 reads the embedding broadcast over the streams (stride 0) without a copy."""
+    g = gen(fresh_seed)
+    emb = torch.randn(5, 96, generator=g).to(torch.bfloat16).to(DEVICE)
+    streams = emb.unsqueeze(1).expand(-1, N, -1)
+    fn, base, scale = _params(g, 96)
+    got = hc_pre(streams, fn, base, scale, ITERS, HC_EPS, EPS)
+    ref = hc_pre_ref(streams.contiguous(), fn, base, scale, ITERS, HC_EPS, EPS)
+    for a, b, dt in zip(got, ref, (torch.float32, torch.float32, torch.bfloat16)):
+        assert_close(a, b, dt)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_hc_post_pre(fresh_seed: int, dtype: torch.dtype) -> None:
+    g = gen(fresh_seed)
+    t, d = 6, 128
+    streams = _streams(g, t, d, dtype)
+    fn0, base0, scale0 = _params(g, d)
+    post, comb, _ = hc_pre_ref(streams, fn0, base0, scale0, ITERS, HC_EPS, EPS)
+    out = torch.randn(t, d, generator=g).to(dtype).to(DEVICE)
+    fn, base, scale = _params(g, d)
+    norm = _norm(g, d)
+    got = hc_post_pre(out, streams, post, comb, fn, base, scale, ITERS, HC_EPS, EPS, norm)
+    ref = hc_post_pre_ref(out, streams, post, comb, fn, base, scale, ITERS, HC_EPS, EPS, norm)
+    new, new_r = got[0], ref[0]
+    assert new.dtype == dtype
+    if dtype == torch.bfloat16:  # torch's rounding points: equal but where a 4-term sum order flips an ulp
+        assert (new != new_r).float().mean() < 0.01
+    assert_close(new, new_r, dtype)
+    for a, b, dt in zip(got[1:], ref[1:], (torch.float32, torch.float32, dtype)):
+        assert_close(a, b, dt)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_post", [False, True])
+def test_hc_head(fresh_seed: int, dtype: torch.dtype, with_post: bool) -> None:
+    g = gen(fresh_seed)
+    t, d = 7, 64
+    streams = _streams(g, t, d, dtype)
+    prev = None
+    if with_post:
+        fn0, base0, scale0 = _params(g, d)
+        post, comb, _ = hc_pre_ref(streams, fn0, base0, scale0, ITERS, HC_EPS, EPS)
+        prev = (torch.randn(t, d, generator=g).to(dtype).to(DEVICE), post, comb)
+    fn, base, scale = _params(g, d, head=True)
+    norm = _norm(g, d)
+    got = hc_head(streams, fn, base, scale, HC_EPS, EPS, norm, prev)
+    ref = hc_head_ref(streams, fn, base, scale, HC_EPS, EPS, norm, prev)
+    assert_close(got, ref, dtype)
+
+
+def test_hc_rejects_unsupported_streams() -> None:
+    x = torch.zeros(2, 3, 8, device=DEVICE)
+    fn = torch.zeros(15, 24, device=DEVICE)
+    with pytest.raises(ValueError, match="hc_mult=3"):
+        hc_pre(x, fn, torch.zeros(15, device=DEVICE), torch.ones(3, device=DEVICE), 2, 1e-6, 1e-6)
