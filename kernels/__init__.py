@@ -14,6 +14,9 @@ module                 wrapper(s)
 ``decode_attention``   ``decode_attention(q, positions, swa_pool, swa_table, window, sink,
                        comp_pool, comp_table, ratio, topk_idx, kv_chunk, max_keys)``
 ``indexer_topk``       ``indexer_scores(...)``, ``indexer_topk(...) -> ids int32 (-1 = none)``
+``fp8_act_quant``      ``act_quant(x, group) -> (e4m3 [M, K], float32 pow2 scales [M, K/group])``
+``fp8_gemm``           ``fp8_gemm(a_q, a_scale, w_q, w_scale, block, out_dtype, groups)``,
+                       ``fp8_linear(x, w_q, w_scale, block, groups)`` (w8a8, block-scaled)
 ``mhc``                ``hc_pre``, ``hc_post_pre``, ``hc_head`` (fused mHC + sublayer norm)
 =====================  ===============================================================
 
@@ -22,4 +25,4 @@ the modules are imported (the CPU tests do this). Importing this package imports
 neither triton nor torch; the submodules do.
 """
 
-__all__ = ["decode_attention", "fused_moe", "indexer_topk", "mhc", "moe_align", "rms_norm", "rotary", "router"]
+__all__ = ["decode_attention", "fp8_act_quant", "fp8_gemm", "fused_moe", "indexer_topk", "mhc", "moe_align", "rms_norm", "rotary", "router"]

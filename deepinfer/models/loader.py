@@ -130,6 +130,8 @@ def load_weights(model: DeepseekV4Model, path: str, strict: bool = True, show_pr
             target.copy_(dense.to(target.dtype))
         owner = owners.get(name.rsplit(".", 1)[0])
         if quantized is not None and isinstance(owner, Linear):
+            if quantized.fmt == "fp8":  # the FP8 GEMM reads these bytes where the weight lives
+                quantized.data, quantized.scale = quantized.data.to(target.device), quantized.scale.to(target.device)
             owner.quantized = quantized
         loaded.add(name)
     missing = [n for n in params if n not in loaded]

@@ -1,0 +1,168 @@
+"""Block-scaled FP8 GEMM (w8a8) for the checkpoint's FP8 e4m3 linears.
+
+``C[m, n] = sum_kb (A_q[m, kb] . W_q[n, kb]) * a_scale[m, kb] * w_scale[n // BN_w, kb]``
+
+* ``W_q`` float8_e4m3fn [N, K] exactly as the checkpoint stores it, with its block
+  scales [ceil(N / BN_w), ceil(K / BK_w)] as E8M0 bytes (uint8 / float8_e8m0fnu, decoded
+  in the kernel) or float32; blocks (128, 128) for V4, (32, 32) for V4.1;
+* ``A_q`` / ``a_scale``: the activations quantised per token and group of BK_w columns
+  (:mod:`fp8_act_quant`), so every K step of the kernel multiplies one e4m3 block pair
+  on the tensor cores (fp32 accumulation) and applies both scales once in float32;
+* ``groups > 1``: the grouped low-rank output projection (``wo_a``): A is [M, G, K],
+  group g uses weight rows [g * N/G, (g+1) * N/G) and writes those output columns.
+
+The output is rounded once to ``out_dtype``. The K reduction runs in a fixed order (K
+blocks ascending) whatever M is, so a row's result does not depend on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_device, dtype_code, interpreting, round_to
+from .fp8_act_quant import act_quant, act_quant_ref
+
+_E8M0 = tuple(d for d in (torch.uint8, getattr(torch, "float8_e8m0fnu", None)) if d is not None)
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, n_ws_cols,
+                     stride_am, stride_ag, stride_asm, stride_asg, stride_wn, stride_cm,
+                     GK: tl.constexpr, GN: tl.constexpr, WS_E8M0: tl.constexpr, CODE: tl.constexpr, INTERP: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid, g = tl.program_id(0), tl.program_id(1)
+    # Grouped launch order: GROUP_M row tiles share each weight column tile in L2.
+    n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * n_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = rm < M, rn < N
+    wrow = g * N + rn  # weight / scale rows of this group
+    rm64 = rm.to(tl.int64)
+    a_base = a_ptr + g * stride_ag + rm64[:, None] * stride_am
+    w_base = w_ptr + wrow.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    kk = tl.arange(0, GK)
+    for k0 in range(0, K, GK * SUB_K):
+        for s in tl.static_range(SUB_K):  # SUB_K scale blocks per iteration (32x32 blocks: 4)
+            kb = k0 // GK + s
+            k = kb * GK + kk
+            k_ok = k < K
+            a = tl.load(a_base + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_base + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            a_s = tl.load(as_ptr + g * stride_asg + rm64 * stride_asm + kb, mask=m_ok & (rm * 0 + kb * GK < K),
+                          other=0.0)
+            ws_off = (wrow // GN).to(tl.int64) * n_ws_cols + kb
+            ws_mask = n_ok & (rn * 0 + kb * GK < K)
+            if WS_E8M0:
+                bits = tl.load(ws_ptr + ws_off, mask=ws_mask, other=127).to(tl.int32)
+                w_s = tl.where(bits == 0, 0x00400000, bits << 23).to(tl.float32, bitcast=True)
+            else:
+                w_s = tl.load(ws_ptr + ws_off, mask=ws_mask, other=0.0)
+            part = tl.dot(a, b, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+            acc += part * a_s[:, None] * w_s[None, :]
+    c = c_ptr + rm64[:, None] * stride_cm + (g * N + rn)[None, :]
+    acc = round_to(acc, CODE, INTERP)  # round to nearest even (the interpreter's own cast truncates)
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _config(m: int, gk: int) -> dict[str, int]:
+    """Tiles by token count. Decode (few rows) is weight-read bound: narrow N tiles for
+    more programs; prefill uses 128x128 tiles (one 128x128 weight block a step)."""
+    sub_k = max(1, 128 // gk)
+    if interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=32, SUB_K=1, GROUP_M=4, num_warps=4, num_stages=1)
+    if m <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, SUB_K=sub_k, GROUP_M=1, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, SUB_K=sub_k, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def _check(w_q: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]) -> None:
+    n, k = w_q.shape
+    gn, gk = block
+    want = (triton.cdiv(n, gn), triton.cdiv(k, gk))
+    if w_q.dtype != torch.float8_e4m3fn or not w_q.is_contiguous():
+        raise ValueError(f"w_q: expected a contiguous float8_e4m3fn [N, K], got {w_q.dtype} {tuple(w_q.shape)}")
+    if tuple(w_scale.shape) != want:
+        raise ValueError(f"w_scale: expected shape {want} for weight {tuple(w_q.shape)} and block {block}, "
+                         f"got {tuple(w_scale.shape)}")
+    if w_scale.dtype not in _E8M0 and w_scale.dtype != torch.float32:
+        raise ValueError(f"w_scale: expected E8M0 bytes (uint8) or float32, got {w_scale.dtype}")
+
+
+def fp8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+             block: tuple[int, int], out_dtype: torch.dtype, groups: int = 1,
+             config: dict[str, int] | None = None) -> torch.Tensor:
+    """C = dequant(A) @ dequant(W)^T. a_q [M, K] (or [M, groups, K]) float8_e4m3fn,
+    a_scale [M, (groups,) ceil(K / block[1])] float32; w_q [N, K] (N = groups * N_g);
+    returns [M, N] in ``out_dtype``."""
+    check_device(a_q)
+    _check(w_q, w_scale, block)
+    gn, gk = block
+    a3 = a_q.view(a_q.shape[0], groups, -1)
+    s3 = a_scale.view(a_scale.shape[0], groups, -1)
+    m, k = a3.shape[0], a3.shape[2]
+    n_total = w_q.shape[0]
+    if w_q.shape[1] != k or n_total % groups:
+        raise ValueError(f"shapes: activations [{m}, {groups}, {k}] do not fit weight {tuple(w_q.shape)}")
+    n = n_total // groups
+    out = torch.empty(m, n_total, dtype=out_dtype, device=a_q.device)
+    if m == 0:
+        return out
+    cfg = dict(config or _config(m, gk))
+    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    ws = w_scale.view(torch.uint8) if w_scale.dtype in _E8M0 else w_scale.contiguous()
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), groups)
+    _fp8_gemm_kernel[grid](
+        a3, s3, w_q, ws, out, m, n, k, w_scale.shape[1],
+        a3.stride(0), a3.stride(1), s3.stride(0), s3.stride(1), w_q.stride(0), out.stride(0),
+        GK=gk, GN=gn, WS_E8M0=w_scale.dtype in _E8M0, CODE=dtype_code(out_dtype),
+        INTERP=interpreting(), BLOCK_M=bm, BLOCK_N=bn, **cfg)
+    return out
+
+
+def fp8_gemm_ref(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                 block: tuple[int, int], out_dtype: torch.dtype, groups: int = 1,
+                 config: dict[str, int] | None = None) -> torch.Tensor:
+    """Torch reference of :func:`fp8_gemm`: dequantise both sides to float32, matmul."""
+    from deepinfer.models.quant import dequantize_fp8_block
+
+    _check(w_q, w_scale, block)
+    gk = block[1]
+    a3 = a_q.view(a_q.shape[0], groups, -1).float()
+    m, k = a3.shape[0], a3.shape[2]
+    s = a_scale.view(m, groups, -1).repeat_interleave(gk, dim=2)[..., :k]
+    w = dequantize_fp8_block(w_q, w_scale, block).view(groups, -1, k)  # [G, N_g, K]
+    out = torch.einsum("mgk,gnk->mgn", a3 * s, w)
+    return out.reshape(m, -1).to(out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int],
+               groups: int = 1) -> torch.Tensor:
+    """y = x @ W^T for x [..., K] (or [M, groups, K] grouped) with the FP8 weight: quantise
+    x per token and group of block[1] columns, then :func:`fp8_gemm`; y in x's dtype."""
+    lead = x.shape[:-2] if groups > 1 else x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    a_q, a_s = act_quant(rows, block[1])
+    out = fp8_gemm(a_q.view(-1, groups * x.shape[-1]), a_s.view(a_q.shape[0] // groups, -1), w_q, w_scale,
+                   block, x.dtype, groups)
+    return out.view(*lead, w_q.shape[0])
+
+
+def fp8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int],
+                   groups: int = 1) -> torch.Tensor:
+    """Torch reference of :func:`fp8_linear` (same activation quantisation)."""
+    lead = x.shape[:-2] if groups > 1 else x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    a_q, a_s = act_quant_ref(rows, block[1])
+    out = fp8_gemm_ref(a_q.view(-1, groups * x.shape[-1]), a_s.view(a_q.shape[0] // groups, -1), w_q, w_scale,
+                       block, x.dtype, groups)
+    return out.view(*lead, w_q.shape[0])
