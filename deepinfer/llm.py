@@ -219,7 +219,7 @@ class LLM:
         with phase(UPDATE):
             touched = self.scheduler.update(sched_out, runner_out)
             if self.runner.spec is not None:  # drafts for the next step go to running requests
-                self.runner.spec.attach(self.scheduler)
+                self.runner.spec.attach(self.scheduler, self.structured)  # drafts checked against grammars
         self._after_update(touched, detoks, bar)
         self.metrics.record_step(sched_out, touched, t_start)
 

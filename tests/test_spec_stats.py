@@ -9,7 +9,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.sampler import SamplingTensors
 from deepinfer.models.tiny import tiny_config, write_tiny_checkpoint
-from deepinfer.spec.verify import rejection_sample, sample_draft
+from deepinfer.spec.verify import drafts_to_verify, rejection_sample, sample_draft
 
 V = 16
 
@@ -105,3 +105,41 @@ def test_engine_sampling_with_mtp_matches_target_distribution(small_vocab_ckpt):
                                         for s in range(n)])
     assert on.runner.spec.metrics.steps > 0 and on.runner.spec.metrics.proposed[0] > 0
     assert _chi2_p([o.token_ids[1] for o in outs], p2) > 0.01
+
+
+def _first_tokens_under_grammar(cut) -> tuple[list[int], torch.Tensor]:
+    """First token over many seeds when a grammar allows half the vocabulary: the target is
+    masked, the draft distribution q is not (so ~half the drafts are grammar-invalid), and
+    ``cut(num_drafts, num_valid, deterministic)`` decides how many drafts are verified."""
+    n = 20000
+    g = torch.Generator().manual_seed(1)
+    target, draft = torch.randn(V, generator=g) * 1.5, torch.randn(V, generator=g) * 1.5
+    allowed = torch.zeros(V, dtype=torch.bool)
+    allowed[torch.randperm(V, generator=g)[: V // 2]] = True
+    masked = target.masked_fill(~allowed, float("-inf"))
+    sp = [SamplingParams(temperature=1.0, seq_seed=s) for s in range(n)]
+    tok, q = sample_draft(draft.expand(n, V), SamplingTensors.from_params(sp, [10] * n))
+    nd = [cut(1, int(allowed[t]), False) for t in tok.tolist()]
+    rows_sp, positions, ids, probs = [], [], [], []
+    for i, k in enumerate(nd):
+        rows_sp += [sp[i]] * (k + 1)
+        positions += list(range(10, 11 + k))
+        ids += [int(tok[i])] * k + [-1]
+        probs += [q[i]] * k + [torch.zeros(V)]
+    res = rejection_sample(masked.expand(len(ids), V).clone(), SamplingTensors.from_params(rows_sp, positions), nd,
+                           torch.tensor(ids), torch.stack(probs))
+    assert 0.2 < float(allowed[tok].float().mean()) < 0.8  # many drafts are grammar-invalid
+    return [t[0] for t in res.tokens], torch.softmax(masked, -1)
+
+
+def test_grammar_truncated_drafts_preserve_the_masked_target_distribution():
+    """The engine's rule (deepinfer.spec.verify.drafts_to_verify): a sampled draft the grammar
+    rejects is still verified (and rejected by the mask, so the residual is drawn)."""
+    first, p = _first_tokens_under_grammar(drafts_to_verify)
+    assert _chi2_p(first, p) > 0.01
+
+
+def test_dropping_grammar_rejected_sampled_drafts_is_detected():
+    """Dropping the rejected draft (a fresh sample instead of the residual) biases the output."""
+    first, p = _first_tokens_under_grammar(lambda n, valid, deterministic: valid)
+    assert _chi2_p(first, p) < 0.01

@@ -11,10 +11,6 @@ accepted ones (lowest id on ties, like torch.argmax).
 
 from __future__ import annotations
 
-import json
-import random
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -22,11 +18,12 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.models.standalone import StandaloneRunner
 from deepinfer.models.tiny import tiny_config, write_tiny_checkpoint
 from deepinfer.structured.spec import StructuredOutputSpec
-from deepinfer.tokenizer import DEFAULT_BOS_TOKEN, DEFAULT_EOS_TOKEN, DEFAULT_PAD_TOKEN
+
+from structured_common import TOKENIZER_VOCAB, VOCAB, train_small_tokenizer
 
 xgr = pytest.importorskip("xgrammar")
 tokenizers = pytest.importorskip("tokenizers")
-VOCAB, TOKENIZER_VOCAB, MAX_TOKENS = 448, 399, 40
+MAX_TOKENS = 40
 
 SPECS = [
     StructuredOutputSpec("json", {"type": "object", "properties": {
@@ -39,32 +36,11 @@ SPECS = [
 ]
 
 
-def _train_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    rng = random.Random(0)
-    words = ["name", "value", "true", "false", "null", "tags", "id", "com", "org", "mail", "the", "and"]
-    corpus = []
-    for _ in range(400):
-        obj = {rng.choice(words): rng.choice([rng.randrange(1000), rng.choice(words), [1, 2], True, None])
-               for _ in range(rng.randrange(1, 4))}
-        corpus.append(json.dumps(obj) + f" {rng.choice(words)}@{rng.choice(words)}.com ({rng.randrange(99)}+1)*2")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, show_progress=False,
-                                  special_tokens=[DEFAULT_BOS_TOKEN, DEFAULT_EOS_TOKEN, DEFAULT_PAD_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
-    assert tok.get_vocab_size() == TOKENIZER_VOCAB and tok.token_to_id(DEFAULT_EOS_TOKEN) == 1
-    tok.save(str(path / "tokenizer.json"))
-
-
 @pytest.fixture(scope="module")
 def small_llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
     path = tmp_path_factory.mktemp("small_vocab_ckpt")
     write_tiny_checkpoint(str(path), seed=3, cfg=tiny_config(vocab_size=VOCAB))
-    _train_tokenizer(path)
+    train_small_tokenizer(path)
     return LLM(str(path), dtype="float32", max_model_len=256, max_num_batched_tokens=24, max_num_seqs=8)
 
 

@@ -18,8 +18,8 @@ from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, p
 
 from .drafter import Draft, DraftContext, Drafter
 from .metrics import SpecMetrics
-from .scheduling import StepTimeCurve, plan_verify_lengths
-from .verify import rejection_sample
+from .scheduling import StepTimeCurve, split_budget
+from .verify import drafts_to_verify, rejection_sample
 
 
 def forward_capture(model, batch, cache, layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -43,28 +43,48 @@ class SpecDecoder:
         self.metrics = SpecMetrics()
         self.drafts: dict[str, Draft] = {}  # proposed after the last step, not yet attached
         self.probs: dict[str, torch.Tensor | None] = {}  # q of the drafts attached to requests
+        #: confidences of the previous plan: the confidence-scheduled budget comes from them and is
+        #: split with the newest (REFERENCE.md sections 3, 8; with async scheduling they are two
+        #: steps old). A budget that depended on the newest confidences would make whether draft j
+        #: is verified depend on draft j itself (c_{j+1} reads x_j): not lossless.
+        self.older_confidences: list[list[float]] | None = None
 
     # ------------------------------------------------------------------ host side
-    def attach(self, scheduler) -> None:
+    def attach(self, scheduler, structured=None) -> None:
         """Give running requests the drafts proposed for them (after Scheduler.update).
-        Fixed-length: k each; confidence-scheduled: lengths from `plan_verify_lengths`.
-        Structured-output requests get none (hook: check drafts against the grammar and
-        roll its matcher back, deepinfer/structured/manager.py has rollback)."""
-        cands = []
+        Fixed-length: k each; confidence-scheduled: the budget from the previous plan's
+        confidences, split by the newest ones (`split_budget`).
+
+        Constrained requests (``structured``: the engine's StructuredOutputManager) keep
+        the drafts their grammar accepts, plus the first rejected one when the proposal
+        is stochastic (`drafts_to_verify` says why: it keeps verification lossless)."""
+        cands = []  # (request, draft, grammar-valid drafts, drafts to verify at most)
         for req in scheduler.running:
             d = self.drafts.pop(req.req_id, None)
-            if d is None or getattr(req.sampling_params, "structured_output", None) is not None:
+            if d is None:
                 continue
-            cands.append((req, d))
+            n = min(self.k, len(d.tokens))
+            valid = structured.valid_draft_prefix(req, d.tokens[:n]) if structured is not None else None
+            if valid is None:
+                cands.append((req, d, n, n))
+            else:
+                deterministic = d.probs is None or req.sampling_params.is_greedy
+                cands.append((req, d, valid, drafts_to_verify(n, valid, deterministic)))
         self.drafts.clear()
         if self.varlen and cands:
-            lengths = plan_verify_lengths([d.confidences[: self.k] for _, d in cands], self.curve,
-                                          num_other_rows=0)
+            newest = [d.confidences[:v] for _, d, v, _ in cands]
+            if self.older_confidences is None:  # the first plan has no budget yet: verify every draft
+                lengths = [len(c) for c in newest]
+            else:
+                lengths = split_budget(self.older_confidences, newest, self.curve)
+            self.older_confidences = newest
         else:
-            lengths = [self.k] * len(cands)
-        for (req, d), n in zip(cands, lengths):
-            req.draft_token_ids = list(d.tokens[:n])
-            req.draft_confidences = list(d.confidences[:n])
+            lengths = [v for _, _, v, _ in cands]
+        for (req, d, v, most), m in zip(cands, lengths):
+            if m == v:  # every valid draft admitted: a grammar-rejected one to verify follows
+                m = most
+            req.draft_token_ids = list(d.tokens[:m])
+            req.draft_confidences = list(d.confidences[:m])
             self.probs[req.req_id] = d.probs
 
     # ---------------------------------------------------------------- device side
@@ -90,13 +110,12 @@ class SpecDecoder:
         any_top = any(so.scheduled[i].sampling_params.top_logprobs for i in picks)
         if picks:
             rows, params, positions, draft_ids, nd, qs = [], [], [], [], [], []
-            plain = []  # (logits row, req_id) of requests without drafts (grammar masks them)
+            layout = []  # (req_id, drafts) per sampled request, in row order (grammar masks)
             for i in picks:
                 r, seq = so.scheduled[i], batch.seqs[i]
                 k, n_real = r.num_draft_tokens, valid[i]
                 first = seq.offset + n_real - 1
-                if k == 0:
-                    plain.append((len(rows), r.req_id))
+                layout.append((r.req_id, list(r.token_ids[n_real:])))
                 rows += range(first, first + k + 1)
                 params += [r.sampling_params] * (k + 1)
                 positions += [r.start_pos + n_real + j for j in range(k + 1)]
@@ -111,11 +130,8 @@ class SpecDecoder:
             dev = runner.device
             with phase(LOGITS):
                 logits = model.compute_logits(streams[torch.tensor(rows, device=dev)])
-            if grammar is not None and plain:
-                idx = torch.tensor([p[0] for p in plain], device=dev)
-                sub = logits[idx]
-                grammar.apply(sub, [p[1] for p in plain])
-                logits[idx] = sub
+            if grammar is not None:  # row j of a request: its grammar after drafts[:j]
+                grammar.apply_verify(logits, layout)
             st = SamplingTensors.from_params(params, positions, dev)
             draft_t = torch.tensor(draft_ids, dtype=torch.long, device=dev)
             probs = None

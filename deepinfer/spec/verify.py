@@ -117,6 +117,24 @@ def rejection_sample(logits: torch.Tensor, params: SamplingTensors, num_drafts: 
     return out
 
 
+def drafts_to_verify(num_drafts: int, num_valid: int, deterministic: bool) -> int:
+    """How many of a request's ``num_drafts`` drafts to verify when only the first
+    ``num_valid`` are allowed by its grammar (structured output).
+
+    The first rejected draft is dropped when the proposal is deterministic (q one-hot:
+    the mask gives it p = 0, so the residual max(p - q, 0) is p itself and the fresh
+    target sample at that position has the residual's distribution) and verified
+    otherwise: the mask makes its p zero, so it is rejected and the token is drawn from
+    max(p - q, 0), exactly as in standard rejection sampling. Dropping a sampled draft
+    instead would bias the output, because the cut would depend on the draft itself
+    (tests/test_spec_stats.py checks both)."""
+    if not 0 <= num_valid <= num_drafts:
+        raise ValueError(f"num_valid={num_valid} must be in [0, num_drafts={num_drafts}]")
+    if num_valid == num_drafts or deterministic:
+        return num_valid
+    return num_valid + 1
+
+
 def sample_draft(logits: torch.Tensor, params: SamplingTensors, sampler: Sampler | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draw draft tokens from drafter logits [R, V] with the request's sampling settings and

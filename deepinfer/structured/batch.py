@@ -74,7 +74,7 @@ class StructuredOutputBatch:
 
     def fill(self, req_ids: list[str]) -> tuple[torch.Tensor, list[int]]:
         """Host bitmask for ``req_ids`` (unconstrained rows all-ones) and the constrained rows."""
-        rows = [j for j, rid in enumerate(req_ids) if rid in self.grammars]
+        rows = [j for j, rid in enumerate(req_ids) if rid in self.grammars and self.grammars[rid].active]
         host = self.buffers.next_host(len(req_ids))
         constrained = set(rows)
         for j in range(len(req_ids)):  # constrained rows are fully overwritten by the fill below
@@ -97,6 +97,37 @@ class StructuredOutputBatch:
                              f"vocabulary {self.buffers.vocab_size} (TokenizerInfo must use the logits width)")
         t0 = time.perf_counter()
         host, rows = self.fill(req_ids)
+        t1 = time.perf_counter()
+        self.apply_mask(logits, host, rows)
+        self.stats.steps += 1
+        self.stats.rows += len(rows)
+        self.stats.fill_s += t1 - t0
+        self.stats.apply_s += time.perf_counter() - t1
+
+    def apply_verify(self, logits: torch.Tensor, layout: list[tuple[str, list[int]]]) -> None:
+        """Speculative verify rows: request ``i`` of ``layout = [(req_id, drafts)]``
+        owns ``len(drafts) + 1`` consecutive rows of ``logits``; row ``j`` of a constrained
+        request gets the mask of its grammar after the output plus ``drafts[:j]``, so the
+        acceptance test and the bonus / residual samples all see the grammar's
+        distribution. Matchers end in the state they started in (only real tokens,
+        consumed by ``StructuredOutputManager.advance`` after the step, move them)."""
+        n_rows = sum(len(d) + 1 for _, d in layout)
+        if logits.shape != (n_rows, self.buffers.vocab_size):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {n_rows} verify rows x the grammar "
+                             f"vocabulary {self.buffers.vocab_size}")
+        t0 = time.perf_counter()
+        host = self.buffers.next_host(n_rows)
+        rows, first = [], 0
+        for req_id, drafts in layout:
+            g = self.grammars.get(req_id)
+            span = range(first, first + len(drafts) + 1)
+            if g is None:
+                for j in span:
+                    host[j].fill_(-1)  # row by row: see fill()
+            else:
+                g.fill_draft_rows(host, first, drafts)
+                rows.extend(span)
+            first += len(drafts) + 1
         t1 = time.perf_counter()
         self.apply_mask(logits, host, rows)
         self.stats.steps += 1

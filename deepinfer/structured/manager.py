@@ -19,6 +19,11 @@ How a constrained request flows through ``LLM.generate`` / ``LLM.step``:
    matcher; it returns True when the grammar terminated (EOS accepted), which
    the engine reports as finish_reason "stop". A request that hits max_tokens
    first finishes "length" in the scheduler: incomplete output is never "stop".
+6. Speculative decoding: ``valid_draft_prefix(req, drafts)`` truncates drafts at
+   the first token the grammar rejects (``deepinfer/spec/runner.py`` attach), and
+   the batch masks every verify row with the grammar state after the drafts
+   before it (``StructuredOutputBatch.apply_verify``). Drafts never move a
+   matcher: only the accepted tokens do, through ``advance``.
 
 Async scheduling (not built yet) hook: ``advance`` must only ever see real
 sampled tokens (it reads ``req.output_token_ids`` after ``update``); with async
@@ -127,7 +132,8 @@ class StructuredOutputManager:
         active = {}
         for r in sched_out.scheduled:
             g = self.grammars.get(r.req_id)
-            if r.needs_sample and g is not None and g.active:
+            # drafts may complete a trigger: such a request's later verify rows are masked
+            if r.needs_sample and g is not None and (g.active or r.num_draft_tokens):
                 active[r.req_id] = g
         if not active:
             return None
@@ -145,12 +151,19 @@ class StructuredOutputManager:
             del self.grammars[req.req_id]
         return terminated
 
-    def rollback(self, req: Request, num_tokens: int) -> None:
-        """Undo the matcher's last ``num_tokens`` tokens (speculative verification).
+    def valid_draft_prefix(self, req: Request, drafts: Sequence[int]) -> int | None:
+        """How many leading speculative ``drafts`` of ``req`` its grammar accepts after its
+        output so far (None: the request is unconstrained). The matcher first consumes any
+        output tokens it has not seen; the drafts leave it unchanged."""
+        g = self.grammars.get(req.req_id)
+        if g is None:  # a constrained request without a live grammar gets no drafts
+            return None if req.sampling_params.structured_output is None else 0
+        g.advance(req.output_token_ids)
+        return g.valid_prefix(drafts)
 
-        Call it after removing the rejected tokens from ``req.output_token_ids``."""
-        g = self.grammars[req.req_id]
-        g.rollback(num_tokens, req.output_token_ids)
+    def rollback(self, req: Request, num_tokens: int) -> None:
+        """Undo the matcher's last ``num_tokens`` tokens."""
+        self.grammars[req.req_id].rollback(num_tokens)
 
     def release(self, req_ids: Sequence[str]) -> None:
         """Drop pending requests and matchers of these ids (abort / end of generate)."""
