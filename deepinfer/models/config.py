@@ -81,6 +81,9 @@ class DeepseekV4Config:
     dspark_noise_token_id: int = 128799
     dspark_target_layer_ids: list[int] = field(default_factory=list)
     dspark_markov_rank: int = 256
+    # Per-position temperatures T_k of the confidence head, sigmoid(z_k / T_k), fitted so the
+    # cumulative products are calibrated (empty = 1.0 everywhere). deepinfer's own key.
+    dspark_confidence_temperatures: list[float] = field(default_factory=list)
 
     @property
     def has_dspark(self) -> bool:
@@ -261,6 +264,12 @@ class DeepseekV4Config:
             if not 0 <= self.dspark_noise_token_id < self.vocab_size or self.dspark_markov_rank < 1:
                 raise ModelConfigError("config.json dspark_noise_token_id must be a token id and "
                                        "dspark_markov_rank >= 1")
+            temps = self.dspark_confidence_temperatures
+            if temps and (len(temps) != self.dspark_block_size
+                          or not all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in temps)):
+                raise ModelConfigError(
+                    f"config.json dspark_confidence_temperatures must hold dspark_block_size={self.dspark_block_size} "
+                    f"positive finite numbers, got {temps!r}")
         if self.expert_dtype not in (None, "fp4", "fp8", "bf16"):
             raise ModelConfigError(f"config.json expert_dtype must be fp4, fp8 or bf16, got {self.expert_dtype!r}")
 
@@ -302,4 +311,6 @@ class DeepseekV4Config:
             out.update(dspark_block_size=self.dspark_block_size, dspark_noise_token_id=self.dspark_noise_token_id,
                        dspark_target_layer_ids=list(self.dspark_target_layer_ids),
                        dspark_markov_rank=self.dspark_markov_rank)
+            if self.dspark_confidence_temperatures:
+                out["dspark_confidence_temperatures"] = [float(t) for t in self.dspark_confidence_temperatures]
         return out
