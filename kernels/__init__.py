@@ -18,6 +18,10 @@ module                 wrapper(s)
 ``fp8_gemm``           ``fp8_gemm(a_q, a_scale, w_q, w_scale, block, out_dtype, groups)``,
                        ``fp8_linear(x, w_q, w_scale, block, groups)`` (w8a8, block-scaled)
 ``mhc``                ``hc_pre``, ``hc_post_pre``, ``hc_head`` (fused mHC + sublayer norm)
+``compressor_decode``  ``compressor_decode(kv, score, ape, positions, slots, ring, entries,
+                       table, tail, norm_weight, eps, inv_freq, ratio, overlap, block_size)``
+``norm_rope``          ``norm_rope(x, positions, inv_freq, norm, weight, eps, inverse,
+                       out_dtype, pool=None, table=None)`` (head norm + RoPE [+ KV write])
 =====================  ===============================================================
 
 Kernels take CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` is set before
@@ -25,4 +29,5 @@ the modules are imported (the CPU tests do this). Importing this package imports
 neither triton nor torch; the submodules do.
 """
 
-__all__ = ["decode_attention", "fp8_act_quant", "fp8_gemm", "fused_moe", "indexer_topk", "mhc", "moe_align", "rms_norm", "rotary", "router"]
+__all__ = ["compressor_decode", "decode_attention", "fp8_act_quant", "fp8_gemm", "fused_moe", "indexer_topk",
+           "mhc", "moe_align", "norm_rope", "rms_norm", "rotary", "router"]

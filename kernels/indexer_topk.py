@@ -3,8 +3,8 @@
 Math of ``deepinfer.models.compressor.Indexer.select`` for one query row at position
 p, in float32: ``score_n = sum_h w_h * relu(q_h . k_n) * Dh^-0.5`` over the compressed
 index keys n < (p + 1) // ratio (later entries are -inf), where ``w`` is
-``weights_proj(x) * n_heads^-0.5`` (passed in) and the keys come from the paged index
-pool [blocks, block_size / ratio, Dh] via ``table``. Then the top ``k`` entries by
+``float(weights) * weight_scale`` (``weights_proj(x)`` and ``n_heads^-0.5``, passed in)
+and the keys come from the paged index pool [blocks, block_size / ratio, Dh] via ``table``. Then the top ``k`` entries by
 score, highest first, lowest entry id among equal scores (exact ties are common: an
 entry whose every head's q.k is negative scores 0); slots past the visible entries
 are -1.
@@ -23,7 +23,7 @@ from ._common import check_device, interpreting, mma, next_pow2
 
 
 @triton.jit
-def _index_score_kernel(q_ptr, w_ptr, pos_ptr, pool_ptr, tab_ptr, out_ptr, H, EPB, RATIO, n_cols, scale,
+def _index_score_kernel(q_ptr, w_ptr, pos_ptr, pool_ptr, tab_ptr, out_ptr, H, EPB, RATIO, n_cols, scale, w_scale,
                         stride_qr, stride_qh, stride_wr, stride_t, stride_or,
                         INTERP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
     r, nb = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -31,7 +31,7 @@ def _index_score_kernel(q_ptr, w_ptr, pos_ptr, pool_ptr, tab_ptr, out_ptr, H, EP
     hmask = heads < H
     d = tl.arange(0, D)
     q = tl.load(q_ptr + r * stride_qr + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
-    w = tl.load(w_ptr + r * stride_wr + heads, mask=hmask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + r * stride_wr + heads, mask=hmask, other=0.0).to(tl.float32) * w_scale
     limit = (tl.load(pos_ptr + r).to(tl.int32) + 1) // RATIO
     ent = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = ent < limit
@@ -45,9 +45,11 @@ def _index_score_kernel(q_ptr, w_ptr, pos_ptr, pool_ptr, tab_ptr, out_ptr, H, EP
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
-                   table: torch.Tensor, ratio: int, n_cols: int, block_n: int = 64) -> torch.Tensor:
+                   table: torch.Tensor, ratio: int, n_cols: int, block_n: int = 64,
+                   weight_scale: float = 1.0) -> torch.Tensor:
     """Scores [R, n_cols] float32 (-inf past each request's (p + 1) // ratio entries).
-    q [R, H, Dh] (rope applied), weights [R, H], pool [blocks, per_block, Dh]."""
+    q [R, H, Dh] (rope applied), weights [R, H] (any float dtype, row-strided views allowed),
+    pool [blocks, per_block, Dh]."""
     check_device(q)
     n_req, n_heads, d = q.shape
     assert d == next_pow2(d) and q.stride(2) == 1 and pool.is_contiguous()
@@ -55,6 +57,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tens
     if n_req and n_cols:
         _index_score_kernel[(n_req, triton.cdiv(n_cols, block_n))](
             q, weights, positions, pool, table, out, n_heads, pool.shape[1], ratio, n_cols, float(d ** -0.5),
+            float(weight_scale),
             q.stride(0), q.stride(1), weights.stride(0), table.stride(0), out.stride(0),
             INTERP=interpreting(), D=d, BLOCK_H=max(16, next_pow2(n_heads)), BLOCK_N=block_n, num_warps=4)
     return out
@@ -71,14 +74,14 @@ def _select(scores: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
-                 table: torch.Tensor, ratio: int, top_k: int, n_cols: int) -> torch.Tensor:
+                 table: torch.Tensor, ratio: int, top_k: int, n_cols: int, weight_scale: float = 1.0) -> torch.Tensor:
     """Selected compressed-entry ids [R, top_k] int32 (-1 = none) for CSA decode.
     `n_cols` >= the most entries any request sees (e.g. (max_pos + 1) // ratio)."""
-    return _select(indexer_scores(q, weights, positions, pool, table, ratio, n_cols), top_k)
+    return _select(indexer_scores(q, weights, positions, pool, table, ratio, n_cols, weight_scale=weight_scale), top_k)
 
 
 def indexer_topk_ref(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
-                     table: torch.Tensor, ratio: int, top_k: int, n_cols: int) -> torch.Tensor:
+                     table: torch.Tensor, ratio: int, top_k: int, n_cols: int, weight_scale: float = 1.0) -> torch.Tensor:
     """Torch reference with the signature of :func:`indexer_topk`: the scoring and
     stable sort of ``Indexer.select`` per request, keys read with ``gather_rows``."""
     from deepinfer.models.kv_cache import gather_rows
@@ -90,7 +93,8 @@ def indexer_topk_ref(q: torch.Tensor, weights: torch.Tensor, positions: torch.Te
         keys = gather_rows(pool, table[r].tolist(), 0, n_cols).float()
         qr = q[r:r + 1].float()
         scores = torch.relu(torch.einsum("lhd,nd->lhn", qr, keys)) * q.shape[-1] ** -0.5
-        index_scores = (scores * weights[r:r + 1].float().unsqueeze(-1)).sum(dim=1)  # [1, n]
+        w = weights[r:r + 1].float() * weight_scale
+        index_scores = (scores * w.unsqueeze(-1)).sum(dim=1)  # [1, n]
         future = torch.arange(n_cols, device=q.device)[None, :] >= n_entries
         index_scores = index_scores.masked_fill(future, float("-inf"))
         k = min(top_k, n_cols)

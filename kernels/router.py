@@ -39,8 +39,8 @@ def _score(logit, FUNC: tl.constexpr, CODE: tl.constexpr, INTERP: tl.constexpr):
 
 @triton.jit
 def _router_kernel(logits_ptr, bias_ptr, tid2eid_ptr, ids_in_ptr, w_out_ptr, id_out_ptr,
-                   T, E, stride_l, stride_tab, route_scale,
-                   K: tl.constexpr, HASH: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
+                   T, E, stride_l, stride_tab, route_scale, extra_id,
+                   K: tl.constexpr, EXTRA: tl.constexpr, HASH: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
                    FUNC: tl.constexpr, CODE: tl.constexpr, INTERP: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -78,8 +78,11 @@ def _router_kernel(logits_ptr, bias_ptr, tid2eid_ptr, ids_in_ptr, w_out_ptr, id_
         total = round_to(tl.sum(ws, axis=1), CODE, INTERP)
         ws = round_to(ws / (total[:, None] + 1e-20), CODE, INTERP)
     ws = round_to(ws * route_scale, CODE, INTERP)
-    out_mask = tmask[:, None] & (slots[None, :] < K)
-    offs = toks64[:, None] * K + slots[None, :]
+    if EXTRA:  # an always-on slot after the routed ones (the shared expert): weight 1
+        ws = tl.where(slots[None, :] == K, 1.0, ws)
+        ids = tl.where(slots[None, :] == K, extra_id, ids)
+    out_mask = tmask[:, None] & (slots[None, :] < K + EXTRA)
+    offs = toks64[:, None] * (K + EXTRA) + slots[None, :]
     tl.store(w_out_ptr + offs, ws.to(w_out_ptr.dtype.element_ty), mask=out_mask)
     tl.store(id_out_ptr + offs, ids, mask=out_mask)
 
@@ -89,20 +92,22 @@ _FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1}
 
 def router(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, route_scale: float = 1.0,
            normalize: bool = True, func: str = "sqrtsoftplus", tid2eid: torch.Tensor | None = None,
-           input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           input_ids: torch.Tensor | None = None, extra_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Route tokens from gate logits [T, E] (bf16/fp32).
 
     Routed layers: pass `bias` (float32 [E], or None). Hash layers: pass `tid2eid`
     ([vocab, >=k] int) and `input_ids` ([T] int). Returns (weights [T, k] in the logits'
-    dtype, expert ids [T, k] int32).
+    dtype, expert ids [T, k] int32). ``extra_id`` appends one slot (weight 1, that id) to
+    every token: the shared expert stacked after the routed ones for ``fused_moe``.
     """
     check_device(logits)
     if func not in _FUNCS:
         raise ValueError(f"router: unsupported score function {func!r}")
     t, e = logits.shape
     assert logits.stride(1) == 1 and 1 <= top_k <= min(16, e) and e <= 1024
-    weights = torch.empty(t, top_k, dtype=logits.dtype, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
+    extra = extra_id is not None
+    weights = torch.empty(t, top_k + extra, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(t, top_k + extra, dtype=torch.int32, device=logits.device)
     is_hash = tid2eid is not None
     if is_hash:
         assert input_ids is not None and tid2eid.stride(1) == 1 and tid2eid.shape[1] >= top_k
@@ -112,16 +117,16 @@ def router(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, route_sc
         _router_kernel[(triton.cdiv(t, block_t),)](
             logits, bias if bias is not None else logits, tid2eid if is_hash else ids,
             input_ids if is_hash else ids, weights, ids, t, e, logits.stride(0),
-            tid2eid.stride(0) if is_hash else 0, float(route_scale),
-            K=top_k, HASH=is_hash, HAS_BIAS=bias is not None, NORMALIZE=normalize, FUNC=_FUNCS[func],
+            tid2eid.stride(0) if is_hash else 0, float(route_scale), int(extra_id or 0),
+            K=top_k, EXTRA=extra, HASH=is_hash, HAS_BIAS=bias is not None, NORMALIZE=normalize, FUNC=_FUNCS[func],
             CODE=dtype_code(logits.dtype), INTERP=interpreting(), BLOCK_T=block_t, BLOCK_E=block_e,
-            BLOCK_K=next_pow2(top_k), num_warps=4)
+            BLOCK_K=next_pow2(top_k + extra), num_warps=4)
     return weights, ids
 
 
 def router_ref(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, route_scale: float = 1.0,
                normalize: bool = True, func: str = "sqrtsoftplus", tid2eid: torch.Tensor | None = None,
-               input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               input_ids: torch.Tensor | None = None, extra_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference with the signature of :func:`router`: ``Gate.forward`` after its
     GEMM (``deepinfer.models.moe.score``, ``torch.topk(sorted=False)``)."""
     from deepinfer.models.moe import score
@@ -134,4 +139,8 @@ def router_ref(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, rout
     weights = scores.gather(1, ids)
     if normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * route_scale, ids.to(torch.int32)
+    weights, ids = weights * route_scale, ids.to(torch.int32)
+    if extra_id is not None:
+        weights = torch.cat([weights, weights.new_ones(weights.shape[0], 1)], dim=1)
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], extra_id)], dim=1)
+    return weights, ids

@@ -50,3 +50,18 @@ def test_indexer_ties_lowest_id(fresh_seed: int) -> None:
     for r in range(4):
         zero_ids = [int(i) for i in top[r] if i >= 0 and scores[r, i] == 0]
         assert zero_ids == sorted(zero_ids)
+
+
+def test_indexer_bf16_weights_scaled_in_kernel(fresh_seed: int) -> None:
+    """weights_proj's bf16 output (a row-strided slice) with n_heads^-0.5 applied in the kernel
+    scores exactly like the float32 product the reference forms first."""
+    q, w, pos, pool, table, ratio, n_cols = _case(fresh_seed)
+    wide = torch.randn(4, 3 * w.shape[1], generator=gen(fresh_seed + 1)).to(torch.bfloat16).to(DEVICE)
+    w16 = wide[:, 5:5 + w.shape[1]]
+    scale = w.shape[1] ** -0.5
+    got = indexer_scores(q, w16, pos, pool, table, ratio, n_cols, weight_scale=scale)
+    want = indexer_scores(q, w16.float() * scale, pos, pool, table, ratio, n_cols)
+    assert torch.equal(got, want)
+    top = indexer_topk(q, w16, pos, pool, table, ratio, 8, n_cols, weight_scale=scale)
+    ref = indexer_topk_ref(q, w16, pos, pool, table, ratio, 8, n_cols, weight_scale=scale)
+    assert torch.equal(top < 0, ref < 0) and (top == ref).float().mean() > 0.9  # near-ties may swap

@@ -59,3 +59,23 @@ def test_router_hash(fresh_seed: int, dtype: torch.dtype) -> None:
     w_ref, ids_ref = router_ref(logits, None, k, 1.5, tid2eid=tid2eid, input_ids=input_ids)
     assert torch.equal(ids, ids_ref)  # table order is kept
     assert_close(w, w_ref, dtype)
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_router_extra_shared_slot(fresh_seed: int, hashed: bool) -> None:
+    """extra_id appends the shared expert (weight 1) after the routed slots, which are unchanged."""
+    g = gen(fresh_seed)
+    vocab, n_experts, k, t = 30, 16, 4, 9
+    logits = (torch.randn(t, n_experts, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    kw = {}
+    if hashed:
+        kw = dict(tid2eid=torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(vocab)]).to(DEVICE),
+                  input_ids=torch.randint(0, vocab, (t,), generator=g).to(DEVICE))
+    bias = None if hashed else (torch.randn(n_experts, generator=g) * 0.1).to(DEVICE)
+    w, ids = router(logits, bias, k, 1.5, extra_id=n_experts, **kw)
+    w0, ids0 = router(logits, bias, k, 1.5, **kw)
+    w_ref, ids_ref = router_ref(logits, bias, k, 1.5, extra_id=n_experts, **kw)
+    assert w.shape == ids.shape == (t, k + 1)
+    assert torch.equal(ids[:, :k], ids0) and torch.equal(w[:, :k], w0)
+    assert (ids[:, k] == n_experts).all() and (w[:, k] == 1).all()
+    assert torch.equal(_by_id(w_ref, ids_ref)[1], _by_id(w, ids)[1])

@@ -4,12 +4,12 @@ of the step at once, no Python loop over requests and no host sync (CUDA-graph s
 Mirrors ``Attention.forward`` / ``Compressor.forward`` / ``Indexer.select`` for the case
 ``seq.length == 1 and not seq.is_new``:
 
-* the window KV row of each request is scattered into the swa pool at its position;
-* each compressor writes the token's (kv, score) projections into the request's ring
-  slot; a window closes for the requests with ``(pos + 1) % ratio == 0``: the pooled
-  entry is computed for every request and written with ``torch.where(closes, new, old)``
-  (a read-modify-write of the entry the window owns, which lies in the request's
-  current, private block), likewise the overlap tail at a block end;
+* the window KV row of each request is normed, rotated and scattered into the swa pool
+  at its position (``norm_rope``);
+* each compressor (``compressor_decode``, one launch) writes the token's (kv, score)
+  projections into the request's ring slot; a window closes for the requests with
+  ``(pos + 1) % ratio == 0``: its pooled entry is written into the entry the window owns
+  (in the request's current, private block), likewise the overlap tail at a block end;
 * CSA layers select entries with the indexer top-k (fixed ``index_topk`` slots, -1 =
   none), HCA layers read all visible entries; attention is ``decode_attention`` with
   ``max_keys`` derived from the (fixed) table width.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from ..kv_cache import GROUP_CSA, GROUP_HCA, GROUP_SWA
-from ..norm import unweighted_rms_norm
-from ..rope import Rotary, apply_rope
+from ..rope import Rotary
+from .fused_weights import project
 
 
 def _ensure_kernels_importable() -> None:
@@ -53,129 +53,103 @@ def kernel_ops(kind: str) -> SimpleNamespace:
     """The batched ops: ``"triton"`` (deepinfer_kernels) or ``"ref"`` (their torch
     references: per-request loops with host reads, for CPU tests only)."""
     _ensure_kernels_importable()
+    from deepinfer_kernels import compressor_decode as cd
     from deepinfer_kernels import decode_attention as da
     from deepinfer_kernels import fused_moe as fm
     from deepinfer_kernels import indexer_topk as it
     from deepinfer_kernels import mhc
+    from deepinfer_kernels import norm_rope as nr
+    from deepinfer_kernels import rms_norm as rn
     from deepinfer_kernels import router as rt
 
     if kind not in ("triton", "ref"):
         raise ValueError(f"unknown fast-path op kind {kind!r}")
     sfx = "" if kind == "triton" else "_ref"
     mods = {"decode_attention": da, "indexer_topk": it, "router": rt, "fused_moe": fm, "hc_pre": mhc,
-            "hc_post_pre": mhc, "hc_head": mhc}
+            "hc_post_pre": mhc, "hc_head": mhc, "compressor_decode": cd, "norm_rope": nr, "rms_norm": rn}
     return SimpleNamespace(kind=kind, **{name: getattr(mod, name + sfx) for name, mod in mods.items()})
 
 
 @dataclass
 class DecodeMeta:
-    """Per-step device tensors of a pure-decode step (built once by the runner).
+    """Device inputs of a pure-decode step (views of the runner's :class:`StepInputs`).
 
-    positions [R] int64; slots [R] int64 (compressor ring slots); tables: group ->
-    [R, width] int64 physical block ids (padding = 0, never read for a visible row);
-    tables32: the same as int32 for the kernels."""
+    ids, positions, slots (compressor ring slots): [R] int32; tables: group -> [R, width]
+    int32 physical block ids (padding = 0, never read for a visible row); ``graphed``:
+    the step replays a CUDA graph (R is then its padded bucket)."""
 
     positions: torch.Tensor
     slots: torch.Tensor
-    tables: dict[str, torch.Tensor]
     tables32: dict[str, torch.Tensor]
     width: int
     ops: Any
-    _rope: dict = field(default_factory=dict)
-
-    def cos_sin(self, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype, key: Any
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rotary.cos_sin(positions, dtype)`` with the frequencies kept on the device
-        (Rotary moves them from the host each call, which a graph capture forbids),
-        computed once per step for each (rotary, key)."""
-        k = (id(rotary), key, dtype)
-        if k not in self._rope:
-            inv = getattr(rotary, "_inv_freq_dev", None)
-            if inv is None or inv.device != positions.device:
-                inv = rotary.inv_freq.to(positions.device)
-                rotary._inv_freq_dev = inv
-            freqs = positions.float()[:, None] * inv[None, :]
-            self._rope[k] = (freqs.cos().to(dtype).float(), freqs.sin().to(dtype).float())
-        return self._rope[k]
+    ids: torch.Tensor | None = None
+    graphed: bool = False
 
 
-def _row_blocks(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """table [R, W] int64, index [R] -> table[r, index[r]]."""
-    return table.gather(1, index[:, None])[:, 0]
+def _inv_freq(rotary: Rotary, device: torch.device) -> torch.Tensor:
+    """``rotary.inv_freq`` kept on the device (Rotary moves it from the host per call,
+    which a graph capture forbids)."""
+    inv = getattr(rotary, "_inv_freq_dev", None)
+    if inv is None or inv.device != device:
+        inv = rotary._inv_freq_dev = rotary.inv_freq.to(device)
+    return inv
 
 
-def compressor_decode(comp: torch.nn.Module, x: torch.Tensor, meta: DecodeMeta, store: Any, rotary: Rotary,
-                      block_size: int) -> None:
+def _compress(ops: Any, comp: torch.nn.Module, kv: torch.Tensor, score: torch.Tensor, meta: DecodeMeta,
+              store: Any, inv_freq: torch.Tensor, block_size: int) -> None:
     """``Compressor.forward`` for one new token per request, all requests at once."""
-    r, d, pos, slot = comp.ratio, comp.dim, meta.positions, meta.slots
-    kv = comp.wkv(x)
-    sc = comp.wgate(x) + comp.ape[pos % r]
-    ring = store.ring  # [slots, L, 2, coff * d] float32
-    ring_len = ring.shape[1]
-    ring[slot, pos % ring_len] = torch.stack([kv.float(), sc.float()], dim=1)
-    w = pos // r
-    own = w[:, None] * r + torch.arange(r, device=x.device)[None, :]  # [R, r]
-    rows = ring[slot[:, None], own % ring_len]  # [R, r, 2, coff * d]
-    if comp.overlap:
-        prev = ring[slot[:, None], (own - r) % ring_len]
-        has_prev = (w >= 1)[:, None, None]
-        kv_a = torch.where(has_prev, prev[:, :, 0, :d].to(kv.dtype), torch.zeros((), dtype=kv.dtype, device=x.device))
-        sc_a = torch.where(has_prev, prev[:, :, 1, :d], torch.full((), float("-inf"), device=x.device))
-        kv_win = torch.cat([kv_a, rows[:, :, 0, d:].to(kv.dtype)], dim=1)  # [R, 2r, d]
-        sc_win = torch.cat([sc_a, rows[:, :, 1, d:]], dim=1)
-    else:
-        kv_win, sc_win = rows[:, :, 0].to(kv.dtype), rows[:, :, 1]
-    weights = sc_win.softmax(dim=1, dtype=torch.float32).to(kv_win.dtype)
-    pooled = comp.norm((kv_win * weights).sum(dim=1))
-    cos, sin = meta.cos_sin(rotary, w * r, pooled.dtype, ("win", r))
-    entry = apply_rope(pooled, cos, sin)
-    per = store.entries.shape[1]
-    table = meta.tables[store.group]
-    blk, sub = _row_blocks(table, w // per), w % per
-    closes = ((pos + 1) % r == 0)[:, None]
-    store.entries[blk, sub] = torch.where(closes, entry.to(store.entries.dtype), store.entries[blk, sub])
-    if store.tail is not None:  # a block ends with this token: save its last window's Ca rows
-        last = ring[slot[:, None], (pos[:, None] - r + 1 + torch.arange(r, device=x.device)[None, :]) % ring_len]
-        tblk = _row_blocks(table, pos // block_size)
-        ends = ((pos + 1) % block_size == 0)[:, None, None, None]
-        store.tail[tblk] = torch.where(ends, last[..., :d], store.tail[tblk])
+    ops.compressor_decode(kv, score, comp.ape, meta.positions, meta.slots, store.ring, store.entries,
+                          meta.tables32[store.group], store.tail, comp.norm.weight, comp.norm.eps, inv_freq,
+                          comp.ratio, comp.overlap, block_size)
 
 
 def attention_decode(attn: torch.nn.Module, x: torch.Tensor, ctx: Any) -> torch.Tensor:
-    """``Attention.forward`` for a pure-decode batch: x [R, hidden] -> [R, hidden]."""
+    """``Attention.forward`` for a pure-decode batch: x [R, hidden] (normed) -> [R, hidden].
+
+    Launches: one GEMM for every projection of x (wq_a, wkv, the compressors' wkv/wgate,
+    the indexer's weights_proj), q_norm, one GEMM for wq_b (+ the indexer's wq_b), the
+    q and kv norm + RoPE (kv scattered into the window pool), one launch per compressor,
+    indexer q RoPE + scores + top-k, decode attention, the output's inverse RoPE, wo_a, wo_b.
+    """
     meta: DecodeMeta = ctx.batch.decode
-    cfg, cache, pos = attn.cfg, ctx.cache, meta.positions
-    rotary = ctx.rotary_compress if attn.ratio else ctx.rotary_main
-    cos, sin = meta.cos_sin(rotary, pos, x.dtype, "pos")
-    q_res = attn.q_norm(attn.wq_a(x))
-    q = unweighted_rms_norm(attn.wq_b(q_res).view(-1, attn.n_heads, attn.head_dim), cfg.rms_norm_eps)
-    q = apply_rope(q, cos, sin)
-    kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)
-    bs = cache.block_size
+    ops, cfg, cache, pos = meta.ops, attn.cfg, ctx.cache, meta.positions
+    eps, bs, n = cfg.rms_norm_eps, cache.block_size, x.shape[0]
+    inv = _inv_freq(ctx.rotary_compress if attn.ratio else ctx.rotary_main, x.device)
+    comp, ix = attn.compressor, attn.indexer
+    x_side = [attn.wq_a, attn.wkv]
+    if comp is not None:
+        x_side += [comp.wkv, comp.wgate]
+    if ix is not None:
+        x_side += [ix.compressor.wkv, ix.compressor.wgate, ix.weights_proj]
+    proj = project(attn, "x", x_side, x)
+    q_res = ops.rms_norm(proj[0], attn.q_norm.weight, attn.q_norm.eps)
+    q_side = project(attn, "q", [attn.wq_b] + ([ix.wq_b] if ix is not None else []), q_res)
+    q = ops.norm_rope(q_side[0].view(n, attn.n_heads, attn.head_dim), pos, inv, "unweighted", eps=eps)
     swa = cache.swa[attn.cache_id]
-    swa[_row_blocks(meta.tables[GROUP_SWA], pos // bs), pos % bs] = kv.to(swa.dtype)
+    ops.norm_rope(proj[1], pos, inv, "weighted", attn.kv_norm.weight, attn.kv_norm.eps, pool=swa,
+                  table=meta.tables32[GROUP_SWA])
     kv_store, index_store = attn._stores(cache)
     comp_pool = comp_table = topk = None
     max_keys = attn.window
-    if attn.compressor is not None:
-        compressor_decode(attn.compressor, x, meta, kv_store, ctx.rotary_compress, bs)
+    if comp is not None:
+        inv_c = _inv_freq(ctx.rotary_compress, x.device)
+        _compress(ops, comp, proj[2], proj[3], meta, kv_store, inv_c, bs)
         comp_pool, comp_table = kv_store.entries, meta.tables32[kv_store.group]
         n_cols = meta.width * bs // attn.ratio
-        if attn.indexer is not None:
-            ix = attn.indexer
-            compressor_decode(ix.compressor, x, meta, index_store, ctx.rotary_compress, bs)
-            iq = apply_rope(ix.wq_b(q_res).view(-1, ix.n_heads, ix.dim), cos, sin)
-            iw = ix.weights_proj(x).float() * ix.n_heads ** -0.5
-            topk = meta.ops.indexer_topk(iq, iw, pos, index_store.entries, meta.tables32[GROUP_CSA], attn.ratio,
-                                         ix.topk, n_cols)
+        if ix is not None:
+            _compress(ops, ix.compressor, proj[4], proj[5], meta, index_store, inv_c, bs)
+            iq = ops.norm_rope(q_side[1].view(n, ix.n_heads, ix.dim), pos, inv, "none")
+            topk = ops.indexer_topk(iq, proj[6], pos, index_store.entries, meta.tables32[GROUP_CSA], attn.ratio,
+                                    ix.topk, n_cols, weight_scale=ix.n_heads ** -0.5)
             max_keys += ix.topk
         else:
             max_keys += n_cols
-    o = meta.ops.decode_attention(q, pos, swa, meta.tables32[GROUP_SWA], attn.window, attn.attn_sink,
-                                  comp_pool, comp_table, attn.ratio if comp_pool is not None else 0, topk,
-                                  max_keys=max_keys).to(q.dtype)
-    o = apply_rope(o, cos, -sin)
-    return attn.wo_b(attn.wo_a(o.reshape(o.shape[0], cfg.o_groups, -1)))
+    o = ops.decode_attention(q, pos, swa, meta.tables32[GROUP_SWA], attn.window, attn.attn_sink,
+                             comp_pool, comp_table, attn.ratio if comp_pool is not None else 0, topk,
+                             max_keys=max_keys)
+    o = ops.norm_rope(o, pos, inv, "none", inverse=True, out_dtype=x.dtype)
+    return attn.wo_b(attn.wo_a(o.view(n, cfg.o_groups, -1)))
 
 
-__all__ = ["DecodeMeta", "GROUP_CSA", "GROUP_HCA", "attention_decode", "compressor_decode", "kernel_ops"]
+__all__ = ["DecodeMeta", "GROUP_CSA", "GROUP_HCA", "attention_decode", "kernel_ops"]

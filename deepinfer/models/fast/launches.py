@@ -88,20 +88,29 @@ class LaunchCounter(TorchDispatchMode):
 
 @contextmanager
 def count_fast_runs(fast: Any) -> Iterator[list[LaunchCounter]]:
-    """Within the block, every ``fast.run`` (one pure-decode step's model + logits, graphed
-    or eager; the sampler excluded) is counted into its own :class:`LaunchCounter`."""
+    """Within the block, every fast-path step (``fast.run``, or ``fast.run_graph`` when the
+    runner calls that directly: the model + logits, graphed or eager; the sampler excluded)
+    is counted into its own :class:`LaunchCounter`."""
     counters: list[LaunchCounter] = []
-    original = fast.run
+    active = [False]
 
-    def counted(so: Any, batch: Any) -> torch.Tensor:
-        counter = LaunchCounter()
-        with counter:
-            out = original(so, batch)
-        counters.append(counter)
-        return out
+    def wrap(method: Any) -> Any:
+        def counted(so: Any, batch: Any) -> Any:
+            if active[0]:  # run -> run_graph: one step, one counter
+                return method(so, batch)
+            counter, active[0] = LaunchCounter(), True
+            try:
+                with counter:
+                    out = method(so, batch)
+            finally:
+                active[0] = False
+            if out is not None:
+                counters.append(counter)
+            return out
+        return counted
 
-    fast.run = counted
+    fast.run, fast.run_graph = wrap(fast.run), wrap(fast.run_graph)
     try:
         yield counters
     finally:
-        del fast.run  # the instance attribute; the method shows through again
+        del fast.run, fast.run_graph  # the instance attributes; the methods show through again

@@ -1,5 +1,11 @@
-"""MoE of the fast path: gate GEMM + router kernel + fused routed experts + shared expert
-(``MoE.forward`` without the per-expert loop and its host reads)."""
+"""MoE of the fast path: gate GEMM + router kernel + fused experts (``MoE.forward``
+without the per-expert loop and its host reads).
+
+The shared expert has the routed experts' shape, so it is stacked after them as expert
+E and every token gets one extra slot (weight 1, id E) from the router: the fused
+combine adds slots in ascending expert id with a rounding after each add, so the shared
+output lands last, exactly as the reference's ``routed + shared_experts(x)``.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +15,22 @@ import torch
 import torch.nn.functional as F
 
 
-def stacked_experts(moe: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(w1, w3, w2) [E, I, H] / [E, H, I] of a MoE's routed experts, stacked once; the
-    experts' own weights become views of the stacks, so memory is not doubled and the
-    reference path keeps reading the same values."""
-    stacks = getattr(moe, "_fast_stacks", None)
+def _experts(moe: torch.nn.Module) -> list[torch.nn.Module]:
+    """Routed experts, plus the shared expert when it can ride along (same shapes)."""
     experts = list(moe.experts)
+    shared = moe.shared_experts
+    if shared is not None and shared.w1.weight.shape == experts[0].w1.weight.shape and \
+            shared.w2.weight.shape == experts[0].w2.weight.shape and shared.limit == experts[0].limit:
+        experts.append(shared)
+    return experts
+
+
+def stacked_experts(moe: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w1, w3, w2) [E', I, H] / [E', H, I] of a MoE's experts (E' = E + 1 with the shared
+    expert stacked last), stacked once; the experts' own weights become views of the
+    stacks, so memory is not doubled and the reference path keeps reading the same values."""
+    stacks = getattr(moe, "_fast_stacks", None)
+    experts = _experts(moe)
     if stacks is not None and stacks[0].data_ptr() == experts[0].w1.weight.data_ptr():
         return stacks
     stacks = tuple(torch.stack([getattr(ex, n).weight.data for ex in experts]) for n in ("w1", "w3", "w2"))
@@ -32,13 +48,15 @@ def moe_forward(moe: torch.nn.Module, x: torch.Tensor, input_ids: torch.Tensor, 
     """x [T, hidden] -> [T, hidden]; same math as ``MoE.forward``."""
     gate = moe.gate
     w1, w3, w2 = stacked_experts(moe)
+    fused_shared = w1.shape[0] > moe.n_experts
+    extra = {"extra_id": moe.n_experts} if fused_shared else {}
     logits = F.linear(x, gate.weight)
     if gate.is_hash:
         weights, ids = ops.router(logits, None, gate.top_k, gate.route_scale, gate.normalize, gate.func,
-                                  tid2eid=gate.tid2eid, input_ids=input_ids)
+                                  tid2eid=gate.tid2eid, input_ids=input_ids, **extra)
     else:
-        weights, ids = ops.router(logits, gate.bias, gate.top_k, gate.route_scale, gate.normalize, gate.func)
+        weights, ids = ops.router(logits, gate.bias, gate.top_k, gate.route_scale, gate.normalize, gate.func, **extra)
     out = ops.fused_moe(x, w1, w3, w2, weights, ids, moe.experts[0].limit)
-    if moe.shared_experts is not None:
+    if moe.shared_experts is not None and not fused_shared:
         out = out + moe.shared_experts(x)
     return out

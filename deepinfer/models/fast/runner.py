@@ -1,5 +1,5 @@
-"""Runner side of the fast path: picks it, builds the per-step device tensors of a
-pure-decode step once, and runs such steps through CUDA graphs.
+"""Runner side of the fast path: picks it, fills one persistent device buffer with a
+pure-decode step's inputs, and runs such steps through CUDA graphs.
 
 Selection (``FastPath.create``): the model is a plain ``DeepseekV4Model`` (not V4.1) in
 bf16 / fp16, the cache lives on a CUDA device and ``deepinfer_kernels`` imports -> Triton
@@ -9,6 +9,11 @@ with the kernels' torch references / the interpreted kernels (CPU tests; graphs 
 emulated eagerly on the same padded buffers when ``DEEPINFER_CUDA_GRAPHS=1``);
 ``DEEPINFER_ACCELERATOR=cpu`` keeps the reference path (the cache is then on the host).
 ``DEEPINFER_CUDA_GRAPHS=0`` keeps CUDA decode eager.
+
+Inputs: one int32 buffer per (rows, table width) holds ids | positions | slots | every
+group's block table as contiguous views (:class:`StepInputs`); a step costs one pinned
+host -> device copy plus the device copy of its token ids (async scheduling fills those
+on the device), and nothing is rebuilt inside the graph.
 
 CUDA graphs: one graph per (batch bucket 1, 2, 4, ..., max_graph_batch; table width),
 captured the first time a pure-decode step of that shape runs (after an eager warm-up
@@ -21,8 +26,10 @@ A graph computes the logits of every row; the runner reads the first R.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from deepinfer.config import register_env_var
@@ -43,6 +50,24 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@dataclass
+class StepInputs:
+    """Device int32 inputs of a decode step with ``rows`` rows: views of one flat buffer."""
+
+    flat: torch.Tensor
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    tables: dict[str, torch.Tensor]
+
+    @classmethod
+    def allocate(cls, rows: int, width: int, groups: list[str], device: torch.device) -> StepInputs:
+        flat = torch.zeros((3 + len(groups) * width) * rows, dtype=torch.int32, device=device)
+        tables = {g: flat[(3 + i * width) * rows:(3 + (i + 1) * width) * rows].view(rows, width)
+                  for i, g in enumerate(groups)}
+        return cls(flat, flat[:rows], flat[rows:2 * rows], flat[2 * rows:3 * rows], tables)
+
+
 class FastPath:
     unavailable: str | None = None  # why the kernels did not import, if they did not
 
@@ -52,7 +77,8 @@ class FastPath:
         self.groups = [g for g in ("swa", "csa", "hca") if g in cache.num_blocks]
         self.graphs_enabled = graphs
         self.max_graph_batch = BUCKETS[-1]
-        self._graphs: dict[tuple[int, int], tuple[Any, dict, torch.Tensor]] = {}
+        self._inputs: dict[tuple[int, int], StepInputs] = {}  # persistent per graph shape
+        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._pool = None
         self.stats = {"fast_steps": 0, "graph_steps": 0, "captures": 0}
 
@@ -90,96 +116,88 @@ class FastPath:
         return bool(so.scheduled) and all(r.num_tokens == 1 and not r.is_new for r in so.scheduled) and all(
             moe_supported(layer.ffn) for layer in self.model.layers)
 
-    def _host_rows(self, so: Any, width: int, rows: int) -> torch.Tensor:
-        """[rows, 3 + G * width] int64: input id, position, slot, then each group's table
-        (padded with 0); rows past the batch repeat row 0."""
-        out = []
-        for r in so.scheduled:
-            row = [0, r.start_pos, r.state_slot]  # ids come from the device batch (_set_ids)
-            for g in self.groups:
-                t = list(r.block_table[g])[:width]
-                row += t + [0] * (width - len(t))
-            out.append(row)
-        out += [out[0]] * (rows - len(out))
-        return torch.tensor(out, dtype=torch.int64)
+    def _graphed(self, so: Any) -> bool:
+        return (self.graphs_enabled and len(so.scheduled) <= self.max_graph_batch
+                and all(r.needs_sample for r in so.scheduled))
 
-    def _meta(self, packed: torch.Tensor, width: int) -> tuple[torch.Tensor, DecodeMeta]:
-        """Split a packed [R, 3 + G * width] device tensor (device ops only: graph-safe)."""
-        tables = {g: packed[:, 3 + i * width:3 + (i + 1) * width] for i, g in enumerate(self.groups)}
-        tables32 = {g: t.to(torch.int32) for g, t in tables.items()}
-        return packed[:, 0].contiguous(), DecodeMeta(packed[:, 1].contiguous(), packed[:, 2].contiguous(), tables,
-                                                     tables32, width, self.ops)
+    def _host_inputs(self, so: Any, width: int, rows: int) -> torch.Tensor:
+        """The flat int32 layout of :class:`StepInputs` on the host (pinned on CUDA: the
+        copy never makes the host wait for the stream); rows past the batch repeat row 0,
+        ids are filled on the device."""
+        n = len(so.scheduled)
+        head = np.zeros((3, rows), dtype=np.int32)
+        head[1, :n] = [r.start_pos for r in so.scheduled]
+        head[2, :n] = [r.state_slot for r in so.scheduled]
+        tables = np.zeros((len(self.groups), rows, width), dtype=np.int32)
+        for j, r in enumerate(so.scheduled):
+            for i, g in enumerate(self.groups):
+                t = r.block_table[g][:width]
+                tables[i, j, :len(t)] = t
+        head[:, n:], tables[:, n:] = head[:, :1], tables[:, :1]
+        flat = torch.from_numpy(np.concatenate([head.ravel(), tables.ravel()]))
+        return flat.pin_memory() if self.device.type == "cuda" else flat
 
     def _width(self, so: Any) -> int:
         need = max(len(r.block_table[g]) for r in so.scheduled for g in self.groups)
         return _next_pow2(max(need, 1))
 
     def prepare(self, so: Any, batch: ForwardBatch) -> DecodeMeta | None:
-        """Device tensors of a pure-decode step (None for prefill / mixed steps)."""
+        """Fill the step's device inputs (None for prefill / mixed steps). Graphed steps use
+        their bucket's persistent buffer (padded rows repeat row 0)."""
         if not self._pure_decode(so):
             return None
-        width = self._width(so)
-        packed = self._host_rows(so, width, len(so.scheduled)).to(self.device)
-        _, meta = self._meta(packed, width)
-        meta.positions = batch.positions  # already on the device
+        n, width = len(so.scheduled), self._width(so)
+        graphed = self._graphed(so)
+        rows = next(b for b in BUCKETS if b >= n) if graphed else n
+        inputs = self._inputs.get((rows, width)) if graphed else None
+        if inputs is None:
+            inputs = StepInputs.allocate(rows, width, self.groups, self.device)
+            if graphed:
+                self._inputs[(rows, width)] = inputs
+        inputs.flat.copy_(self._host_inputs(so, width, rows), non_blocking=True)
+        inputs.ids[:n].copy_(batch.input_ids)  # async scheduling gathers placeholders on the device
+        if rows > n:
+            inputs.ids[n:].copy_(inputs.ids[:1].expand(rows - n))
         self.stats["fast_steps"] += 1
-        return meta
+        return DecodeMeta(inputs.positions, inputs.slots, inputs.tables, width, self.ops, ids=inputs.ids,
+                          graphed=graphed)
 
-    # ---- CUDA graphs -----------------------------------------------------------------
-    def _forward_logits(self, packed: torch.Tensor, width: int) -> torch.Tensor:
-        ids, meta = self._meta(packed, width)
-        batch = ForwardBatch(ids, meta.positions, [])
+    # ---- execution -------------------------------------------------------------------
+    def _logits(self, meta: DecodeMeta) -> torch.Tensor:
+        batch = ForwardBatch(meta.ids, meta.positions, [])
         batch.decode = meta
         return decode_logits(self.model, batch, self.cache)
 
     def run(self, so: Any, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits [R, V] of a pure-decode step (``batch.decode`` from :meth:`prepare`):
-        from its CUDA graph when one fits, else eagerly."""
+        replayed from its CUDA graph (captured on first use) or run eagerly."""
         logits = self.run_graph(so, batch)
-        return decode_logits(self.model, batch, self.cache) if logits is None else logits
-
-    @staticmethod
-    def _set_ids(packed: torch.Tensor, input_ids: torch.Tensor, n: int) -> None:
-        """Token ids from the device batch (async scheduling fills its placeholders there, never
-        on the host); padded rows stay exact copies of row 0."""
-        packed[:n, 0] = input_ids
-        packed[n:, 0] = input_ids[0]
+        return self._logits(batch.decode) if logits is None else logits
 
     def run_graph(self, so: Any, batch: ForwardBatch) -> torch.Tensor | None:
-        """Float32 logits [R, V] of a pure-decode step from its CUDA graph (captured on
-        first use), or None when the step does not fit a graph."""
-        n = len(so.scheduled)
-        if (not self.graphs_enabled or batch.decode is None or n > self.max_graph_batch
-                or not all(r.needs_sample for r in so.scheduled)):
+        """Float32 logits [R, V] from the step's CUDA graph, or None when it is not graphed."""
+        meta: DecodeMeta | None = batch.decode
+        if meta is None or not meta.graphed:
             return None
-        bucket = next(b for b in BUCKETS if b >= n)
-        width = batch.decode.width
-        host = self._host_rows(so, width, bucket)
-        entry = self._graphs.get((bucket, width))
-        if entry is None and self.device.type != "cuda":  # host emulation (tests): same buffers, eager
-            entry = self._graphs[(bucket, width)] = (None, host.to(self.device), None)
+        n, key = len(so.scheduled), (meta.ids.shape[0], meta.width)
+        self.stats["graph_steps"] += 1
+        if self.device.type != "cuda":  # host emulation (tests): the padded buffers, eagerly
+            return self._logits(meta)[:n]
+        entry = self._graphs.get(key)
         if entry is None:
-            packed = host.to(self.device)
-            self._set_ids(packed, batch.input_ids, n)
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):  # warm-up (Triton compiles); decode writes are idempotent
-                self._forward_logits(packed, width)
+                self._logits(meta)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            # thread_local: the async engine runs steps in a worker thread while the main one schedules
+            # thread_local: the async engine may run steps in a worker thread while the main one schedules
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                logits = self._forward_logits(packed, width)
+                logits = self._logits(meta)
             if self._pool is None:
                 self._pool = graph.pool()
-            entry = self._graphs[(bucket, width)] = (graph, packed, logits)
+            entry = self._graphs[key] = (graph, logits)
             self.stats["captures"] += 1
-        graph, packed, logits = entry
-        packed.copy_(host, non_blocking=False)
-        self._set_ids(packed, batch.input_ids, n)
-        if graph is None:
-            logits = self._forward_logits(packed, width)
-        else:
-            graph.replay()
-        self.stats["graph_steps"] += 1
+        graph, logits = entry
+        graph.replay()
         return logits[:n]
