@@ -15,6 +15,7 @@ from deepinfer import batch_invariant
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.sampler import Sampler, SamplingTensors
 from deepinfer.models.deepseek_v4 import DeepseekV4Model
+from deepinfer.models.fast.prefill import PrefillPath
 from deepinfer.models.fast.runner import FastPath
 from deepinfer.models.kv_cache import ForwardBatch, KVCache, SeqMeta
 from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, phase
@@ -37,6 +38,8 @@ class ModelRunner:
         self.spec = None  # speculative decoding (deepinfer.spec.runner.SpecDecoder), set by deepinfer.spec.setup
         #: GPU fast path (deepinfer/models/fast): batched pure-decode steps + CUDA graphs; None = reference
         self.fast = FastPath.create(model, cache)
+        #: GPU fast path of prefill / mixed steps (deepinfer/models/fast/prefill.py); None = reference
+        self.fast_prefill = PrefillPath.create(model, cache)
 
     def build_batch(self, so: SchedulerOutput) -> ForwardBatch:
         ids: list[int] = []
@@ -67,9 +70,15 @@ class ModelRunner:
             fast = self.fast
             if fast is not None and self.replay is None and not batch_invariant.enabled():
                 batch.decode = fast.prepare(so, batch)  # None unless a pure-decode step
+            prefill = None
+            if (batch.decode is None and self.fast_prefill is not None and self.replay is None
+                    and not batch_invariant.enabled()):
+                prefill = self.fast_prefill.prepare(batch)  # prefill / mixed steps
         with phase(MODEL):
             fast_logits = fast.run(so, batch) if batch.decode is not None else None  # every row
-            streams = self.model(batch, self.cache) if fast_logits is None else None
+            streams = None
+            if fast_logits is None:
+                streams = self.model(batch, self.cache) if prefill is None else self.fast_prefill.forward(batch, prefill)
         picks = [i for i, r in enumerate(so.scheduled) if r.needs_sample]
         logprobs: list[list[float]] = [[] for _ in so.scheduled]
         tops: list[list[list[tuple[int, float]]]] = [[] for _ in so.scheduled]

@@ -1,0 +1,127 @@
+"""Fast path of prefill / mixed steps (every step that is not pure decode): the whole model
+over the flattened batch with batched attention, compressors and indexer
+(:mod:`prefill_attention`), fused mHC and fused MoE, on the Triton kernels of
+``deepinfer_kernels`` (or their torch references).
+
+Selection (``PrefillPath.create``), ``DEEPINFER_FAST_PREFILL``:
+
+* ``auto`` (default): a plain ``DeepseekV4Model`` (not V4.1) in bf16 / fp16 whose cache is
+  on a CUDA device, the kernels import, and ``DEEPINFER_FASTPATH`` is not off
+  (``DEEPINFER_FASTPATH=1`` also admits float32 models);
+* ``triton`` / ``ref``: forced on any device with the (interpreted) kernels / their torch
+  references (CPU tests); ``0``: off.
+
+The runner asks :meth:`PrefillPath.prepare` for a step's metadata (None when the path
+does not apply: pure-decode steps go to the decode fast path, EP or load-counting MoE
+layers stay on the reference path) and runs :meth:`PrefillPath.forward`, which returns the
+final streams like ``DeepseekV4Model.forward``.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from deepinfer.config import register_env_var
+
+from ..kv_cache import ForwardBatch, KVCache
+from ..mhc import hc_post
+from ..moe import MoE
+from .decode import _ensure_kernels_importable, kernel_ops
+from .moe import moe_forward
+from .moe import supported as moe_supported
+from .prefill_attention import attention_prefill
+from .prefill_meta import PrefillMeta, build_prefill_meta
+
+register_env_var("DEEPINFER_FAST_PREFILL", "auto|0|triton|ref: fast path of prefill / mixed steps (auto = bf16/fp16 "
+                 "on CUDA; triton / ref force it anywhere with the kernels / their torch references: tests)")
+MODES = ("auto", "0", "triton", "ref")
+
+
+def prefill_ops(kind: str) -> SimpleNamespace:
+    """The decode fast path's ops (mHC, router, fused MoE) plus the prefill kernels."""
+    ops = kernel_ops(kind)
+    _ensure_kernels_importable()
+    from deepinfer_kernels import prefill_attention as pa
+    from deepinfer_kernels import prefill_indexer as pi
+
+    sfx = "" if kind == "triton" else "_ref"
+    ops.prefill_attention = getattr(pa, "prefill_attention" + sfx)
+    ops.prefill_indexer_topk = getattr(pi, "prefill_indexer_topk" + sfx)
+    return ops
+
+
+def _mhc_args(layer: torch.nn.Module, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return getattr(layer, f"hc_{which}_fn"), getattr(layer, f"hc_{which}_base"), getattr(layer, f"hc_{which}_scale")
+
+
+class PrefillPath:
+    """Runs prefill / mixed steps of one model replica on the fast path."""
+
+    unavailable: str | None = None  # why the kernels did not import, if they did not
+
+    def __init__(self, model: Any, cache: KVCache, ops: Any) -> None:
+        self.model, self.cache, self.ops = model, cache, ops
+        self.groups = [g for g in ("swa", "csa", "hca") if g in cache.num_blocks]
+        self.stats = {"prefill_steps": 0, "prefill_rows": 0}
+
+    @classmethod
+    def create(cls, model: Any, cache: KVCache) -> PrefillPath | None:
+        from ..deepseek_v4 import DeepseekV4Model
+
+        mode = os.environ.get("DEEPINFER_FAST_PREFILL", "auto").lower()
+        if mode not in MODES:
+            from deepinfer.errors import ConfigError
+            raise ConfigError(f"DEEPINFER_FAST_PREFILL={mode!r}: expected one of {', '.join(MODES)}")
+        if mode == "0" or type(model) is not DeepseekV4Model or getattr(model.cfg, "is_v41", False):
+            return None
+        if mode in ("triton", "ref"):
+            return cls(model, cache, prefill_ops(mode))
+        fastpath = os.environ.get("DEEPINFER_FASTPATH", "auto").lower()
+        if cache.swa[0].device.type != "cuda" or fastpath in ("0", "off", "false", "no", "ref"):
+            return None
+        if fastpath != "1" and getattr(model, "dtype", None) not in (torch.bfloat16, torch.float16):
+            return None
+        try:
+            ops = prefill_ops("triton")
+        except Exception as exc:  # no triton / kernels: reference path
+            cls.unavailable = repr(exc)
+            return None
+        return cls(model, cache, ops)
+
+    def prepare(self, batch: ForwardBatch) -> PrefillMeta | None:
+        """Metadata of a prefill / mixed step, or None when this path does not run it."""
+        if not batch.seqs or not all(isinstance(layer.ffn, MoE) and moe_supported(layer.ffn)
+                                     for layer in self.model.layers):
+            return None
+        meta = build_prefill_meta(batch.seqs, batch.positions, self.groups, self.cache.block_size, self.ops)
+        self.stats["prefill_steps"] += 1
+        self.stats["prefill_rows"] += batch.num_tokens
+        return meta
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, meta: PrefillMeta) -> torch.Tensor:
+        """Final streams [T, N, D] of every row (``DeepseekV4Model.forward``'s contract)."""
+        model, ops = self.model, self.ops
+        cfg = model.cfg
+        iters, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        streams = model.embed(batch.input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1)
+        prev = None  # (sublayer output, post, comb) whose hc_post is still to apply
+        for layer in model.layers:
+            norm = (layer.attn_norm.weight, layer.attn_norm.eps)
+            if prev is None:
+                post, comb, x = ops.hc_pre(streams, *_mhc_args(layer, "attn"), iters, hc_eps, eps, norm)
+            else:
+                out, post, comb = prev
+                streams, post, comb, x = ops.hc_post_pre(out, streams, post, comb, *_mhc_args(layer, "attn"), iters,
+                                                         hc_eps, eps, norm)
+            out = attention_prefill(layer.attn, x, meta, self.cache, model.rotary_main, model.rotary_compress)
+            norm = (layer.ffn_norm.weight, layer.ffn_norm.eps)
+            streams, post, comb, x = ops.hc_post_pre(out, streams, post, comb, *_mhc_args(layer, "ffn"), iters,
+                                                     hc_eps, eps, norm)
+            prev = (moe_forward(layer.ffn, x, batch.input_ids, ops), post, comb)
+        out, post, comb = prev
+        return hc_post(out, streams, post, comb)
