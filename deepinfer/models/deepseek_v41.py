@@ -33,7 +33,6 @@ from torch import nn
 
 from .bounded_replay import batch_cuts, kept_rows
 from .config_v41 import DeepseekV41Config
-from .dspark import ConfidenceHead, MarkovHead
 from .engram import Engram, NgramHasher, compressed_token_map, find_tokenizer_file
 from .kv_cache import ForwardBatch, SeqMeta, gather_rows, scatter_rows
 from .kv_cache_v41 import GROUP_SWA, KVCacheV41
@@ -96,25 +95,6 @@ class Block41(nn.Module):
         return streams, f_pre
 
 
-class DSparkStage41(Block41):
-    """`mtp.K` of the V4.1 DSpark drafter: a sliding-only block with the drafter's own
-    MoE (dspark_n_routed_experts, top dspark_num_experts_per_tok); stage 0 owns
-    `main_proj` / `main_norm`, the last stage `norm`, the Markov and confidence heads.
-    (The drafting forward belongs to the speculative decoder.)"""
-
-    def __init__(self, cfg: DeepseekV41Config, stage: int, n_stages: int, dtype: torch.dtype) -> None:
-        super().__init__(cfg, cfg.num_hidden_layers + stage, 0, dtype, cfg.dspark_n_routed_experts,
-                         cfg.dspark_num_experts_per_tok)
-        h = cfg.hidden_size
-        if stage == 0:
-            self.main_proj = Linear(len(cfg.dspark_target_layer_ids) * h, h, dtype)
-            self.main_norm = RMSNorm(h, cfg.rms_norm_eps)
-        if stage == n_stages - 1:
-            self.norm = RMSNorm(h, cfg.rms_norm_eps)
-            self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, dtype)
-            self.confidence_head = ConfidenceHead(h, cfg.dspark_markov_rank, dtype)
-
-
 # ---- the model ------------------------------------------------------------------------
 class DeepseekV41Model(nn.Module):
     """Embedding, layers, final norm, LM head and the DSpark stages."""
@@ -131,6 +111,8 @@ class DeepseekV41Model(nn.Module):
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.head = Linear(h, cfg.vocab_size, dtype)
+        from .v41_dspark import DSparkStage41  # it subclasses Block41 (defined above)
+
         n_stages = len(cfg.mtp_compress_ratios)
         self.mtp = nn.ModuleList(DSparkStage41(cfg, k, n_stages, dtype) for k in range(n_stages))
         self.hasher = NgramHasher(cfg) if cfg.engram_layer_ids else None
@@ -168,9 +150,13 @@ class DeepseekV41Model(nn.Module):
         return torch.cat(parts)
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, cache: KVCacheV41) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, cache: KVCacheV41, capture: dict | None = None) -> torch.Tensor:
         """Run every layer over the flattened batch; returns the final collapsed hidden
-        state [T, hidden] (rows dropped by a compact replay are NaN)."""
+        state [T, hidden] (rows dropped by a compact replay are NaN).
+
+        ``capture`` (optional, DSpark target features): for every layer id among its keys,
+        ``capture[i]`` is set to that layer's input streams [T, N, D] (its attention input;
+        before the layer's Engram, if it has one), NaN on rows a compact replay dropped."""
         cfg = self.cfg
         cuts = batch_cuts(batch)
         ctx = V41Context(batch, cache, self.rotary_main, self.rotary_compress, cuts).fresh()
@@ -180,6 +166,8 @@ class DeepseekV41Model(nn.Module):
         hash_rows = self._engram_rows(batch, cache)
         start, rows = cfg.replay_start_layer, None
         for i, layer in enumerate(self.layers):
+            if capture is not None and i in capture:
+                capture[i] = streams if rows is None else self._full_rows(streams, rows, batch.num_tokens)
             if i != start:
                 streams, pre = layer(streams, pre, ctx, hash_rows)
                 continue
@@ -192,16 +180,22 @@ class DeepseekV41Model(nn.Module):
                                 narrow=replay is not None and replay.active)
             if rows is not None and not rows.numel():  # every row lies before its cut
                 layer(streams, pre, dec_ctx, hash_rows, publish_ctx=ctx, rows=rows, publish_only=True)
+                for j in capture or ():
+                    if j > i:  # inputs of the decoder layers these rows skip
+                        capture[j] = torch.full_like(streams, float("nan"))
                 return streams.new_full((batch.num_tokens, cfg.hidden_size), float("nan"))
             streams, pre = layer(streams, pre, dec_ctx, hash_rows, publish_ctx=ctx, rows=rows)
             if rows is not None and hash_rows is not None:
                 hash_rows = hash_rows[rows]
             ctx = dec_ctx
         x = hc_collapse(streams, pre)
-        if rows is None:
-            return x
-        full = x.new_full((batch.num_tokens, x.shape[1]), float("nan"))
-        full[rows] = x
+        return x if rows is None else self._full_rows(x, rows, batch.num_tokens)
+
+    @staticmethod
+    def _full_rows(t: torch.Tensor, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Rows of a compact replay's kept subset back at their batch rows (NaN elsewhere)."""
+        full = t.new_full((num_tokens, *t.shape[1:]), float("nan"))
+        full[rows] = t
         return full
 
     @staticmethod

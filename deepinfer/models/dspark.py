@@ -110,19 +110,31 @@ class DSparkStage(Block):
         q = unweighted_rms_norm(attn.wq_b(q_res).view(-1, attn.n_heads, attn.head_dim), cfg.rms_norm_eps)
         q = apply_rope(q, cos, sin)
         kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)
-        out = torch.empty_like(q)
-        sink_w = attn.attn_sink.float()
-        for r in range(len(ctx_kv)):
-            rows = slice(r * block, (r + 1) * block)
-            qp = pos[rows]
-            keys = torch.cat([ctx_kv[r].to(kv.dtype), kv[rows]])
-            ctx_vis = ctx_pos[r][None, :] > qp[:, None] - attn.window
-            mask = torch.cat([ctx_vis, torch.ones(block, block, dtype=torch.bool, device=x.device)], dim=1)
-            logits = torch.einsum("lhd,kd->lhk", q[rows], keys) * attn.head_dim ** -0.5
-            logits = logits.float().masked_fill(~mask[:, None, :], float("-inf"))
-            sink = sink_w[None, :, None].expand(logits.shape[0], -1, 1)
-            combined = torch.cat([logits, sink], dim=-1)
-            probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
-            out[rows] = torch.einsum("lhk,kd->lhd", probs.to(keys.dtype), keys)
+        out = block_attention(q, kv, pos, block, ctx_kv, ctx_pos, attn.window, attn.attn_sink)
         out = apply_rope(out, cos, -sin)
         return attn.wo_b(attn.wo_a(out.reshape(out.shape[0], cfg.o_groups, -1)))
+
+
+def block_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, block: int, ctx_kv: list[torch.Tensor],
+                    ctx_pos: list[torch.Tensor], window: int, attn_sink: torch.Tensor) -> torch.Tensor:
+    """Single-KV-head attention of R draft blocks (V4 and V4.1 stages). q [R * block, H, Dh],
+    kv [R * block, Dh] (the blocks' own keys = values, post-RoPE); block r's queries see
+    its context rows ``ctx_kv[r]`` at ``ctx_pos[r]`` within the sliding window and every
+    row of their own block (bidirectional), plus a per-head sink. Returns [R * block, H, Dh]
+    (still rotated: the caller un-ropes)."""
+    out = torch.empty_like(q)
+    scale = q.shape[-1] ** -0.5
+    sink_w = attn_sink.float()
+    for r in range(len(ctx_kv)):
+        rows = slice(r * block, (r + 1) * block)
+        qp = pos[rows]
+        keys = torch.cat([ctx_kv[r].to(kv.dtype), kv[rows]])
+        ctx_vis = ctx_pos[r][None, :] > qp[:, None] - window
+        mask = torch.cat([ctx_vis, torch.ones(block, block, dtype=torch.bool, device=q.device)], dim=1)
+        logits = torch.einsum("lhd,kd->lhk", q[rows], keys) * scale
+        logits = logits.float().masked_fill(~mask[:, None, :], float("-inf"))
+        sink = sink_w[None, :, None].expand(logits.shape[0], -1, 1)
+        combined = torch.cat([logits, sink], dim=-1)
+        probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+        out[rows] = torch.einsum("lhk,kd->lhd", probs.to(keys.dtype), keys)
+    return out

@@ -129,14 +129,18 @@ class Compressor41(nn.Module):
             return self.norm(self.wkv(x)), s
         kv = invariant_ops.linear(x.float(), self.wkv.weight.float())
         sc = invariant_ops.linear(x.float(), self.wgate.weight.float())
+        # The ring holds the projections of the last ring_len positions at position % ring_len.
+        # ring_len = r, or more with speculative decoding (deepinfer/spec/kv.py): a verify step
+        # writes drafts that may be rejected, and the next step re-reads the open group before them.
+        n_ring = ring.shape[0]
         lo = (s // r) * r  # start of the group open at the chunk start
-        hist = torch.arange(lo, s, device=x.device) % r
+        hist = torch.arange(lo, s, device=x.device) % n_ring
         kv_seq = torch.cat([ring[hist, 0], kv])
         sc_seq = torch.cat([ring[hist, 1], sc])
         w_a, w_b = s // r, e // r  # groups [w_a, w_b) close in this chunk
-        tail = torch.arange((e // r) * r, e, device=x.device)  # the group left open
-        ring[tail % r, 0] = kv_seq[tail - lo]
-        ring[tail % r, 1] = sc_seq[tail - lo]
+        keep = torch.arange(max(lo, e - n_ring), e, device=x.device)  # includes the group left open
+        ring[keep % n_ring, 0] = kv_seq[keep - lo]
+        ring[keep % n_ring, 1] = sc_seq[keep - lo]
         if w_b <= w_a:
             return kv.new_zeros(0, self.dim).to(x.dtype), w_a
         n = w_b - w_a

@@ -13,12 +13,14 @@ __all__ = ["Draft", "DraftContext", "Drafter", "OracleDrafter", "RandomDrafter",
 
 
 def make_drafter(model, cache, k: int):
-    """DSpark when the checkpoint has it, else its MTP stage."""
+    """DSpark when the checkpoint has it, else its MTP stage (V4 only: V4.1's `mtp.*` stages
+    are DSpark stages, without the e_proj / h_proj an MTP stage needs)."""
     cfg = model.cfg
-    if getattr(cfg, "is_v41", False):
-        raise NotImplementedError("speculative decoding is implemented for DeepSeek-V4 checkpoints only so far")
     if not len(getattr(model, "mtp", [])):
         raise ValueError("num_speculative_tokens > 0 needs a checkpoint with MTP / DSpark stages")
+    if getattr(cfg, "is_v41", False) and not cfg.has_dspark:
+        raise ValueError("num_speculative_tokens > 0 on a DeepSeek-V4.1 checkpoint needs its DSpark drafter "
+                         "(dspark_block_size > 0); V4.1 has no plain MTP stage")
     if cfg.has_dspark:
         from .dspark_drafter import DSparkDrafter
         return DSparkDrafter(model, cache, k)

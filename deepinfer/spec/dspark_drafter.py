@@ -16,10 +16,17 @@ Per step (`propose`), after the target forward:
    the embedding repeated hc_mult times. Each stage attends (dense, per request) to its
    context rows at positions within the sliding window of the query (<= p) and
    bidirectionally to all rows of the block; block K/V are never written (lookahead 0).
-3. Head. Last stage: hc_head, norm -> h_k, shared LM head -> logits of row k.
+3. Head. Last stage: hc_head (V4.1: collapse with the last site's pre), norm -> h_k,
+   shared LM head -> logits of row k.
 4. Drafts, sequentially: d_{k+1} ~ logits_k + W2 W1[x_k] (x_0 = last accepted token,
    x_k = d_k), drawn with the request's sampling settings from the DRAFT stream at the
    position the draft will occupy (p + 2 + k); c_{k+1} = sigmoid(w . [h_k ; W1[x_k]]).
+
+DeepSeek-V4.1 (`models/v41_dspark.py`): the same orchestration; the stages carry the
+shifted hyper-connections' ``pre`` from one to the next (starting one-hot on stream 0).
+With SWA bounded replay, feature rows below a request's cut are not written (a compact
+replay never computes their target-layer inputs, and no draft window reaches them:
+keep >= window + backtracking).
 """
 
 from __future__ import annotations
@@ -27,8 +34,10 @@ from __future__ import annotations
 import torch
 
 from deepinfer.engine.sampler import Sampler, SamplingTensors
+from deepinfer.models.bounded_replay import batch_cuts
 from deepinfer.models.kv_cache import GROUP_SWA, KVCache, gather_rows, scatter_rows
 from deepinfer.models.mhc import hc_head
+from deepinfer.models.v41_layers import hc_collapse
 
 from .drafter import Draft, DraftContext, Drafter
 from .verify import sample_draft
@@ -50,7 +59,7 @@ class DSparkDrafter(Drafter):
             raise NotImplementedError(f"DSpark target layers {bad} are not main-model layers; only "
                                       f"layers < num_hidden_layers={cfg.num_hidden_layers} can be captured")
         self.model, self.cache, self.k = model, cache, k
-        self.cfg = cfg
+        self.cfg, self.v41 = cfg, bool(getattr(cfg, "is_v41", False))
         self.stages = list(model.mtp)
         self.target_layers = tuple(int(i) for i in cfg.dspark_target_layer_ids)
         self.sampler = Sampler()
@@ -68,13 +77,14 @@ class DSparkDrafter(Drafter):
 
     def _write_features(self, ctx: DraftContext) -> None:
         rows, positions, spans = [], [], []  # spans: (scheduled index, first row in `rows`, count)
-        for i, seq in enumerate(ctx.batch.seqs):
-            n = ctx.valid[i]
+        for i, (seq, cut) in enumerate(zip(ctx.batch.seqs, batch_cuts(ctx.batch))):
+            skip = min(max(0, cut - seq.start), ctx.valid[i])  # rows a bounded replay leaves out
+            n = ctx.valid[i] - skip
             if n <= 0:
                 continue
-            spans.append((i, len(rows), n))
-            rows.extend(range(seq.offset, seq.offset + n))
-            positions.extend(range(seq.start, seq.start + n))
+            spans.append((i, len(rows), n, seq.start + skip))
+            rows.extend(range(seq.offset + skip, seq.offset + skip + n))
+            positions.extend(range(seq.start + skip, seq.start + skip + n))
         if not rows:
             return
         dev = ctx.streams.device
@@ -83,9 +93,8 @@ class DSparkDrafter(Drafter):
         for s, stage in enumerate(self.stages):
             kv = stage.context_kv(main_x, pos, self.model.rotary_main)
             pool = self.cache.swa[self._cache_id(s)]
-            for i, first, n in spans:
-                seq = ctx.batch.seqs[i]
-                scatter_rows(pool, seq.block_table[GROUP_SWA], seq.start, kv[first: first + n])
+            for i, first, n, start in spans:
+                scatter_rows(pool, ctx.batch.seqs[i].block_table[GROUP_SWA], start, kv[first: first + n])
 
     # ------------------------------------------------------------------ drafting
     @torch.no_grad()
@@ -102,6 +111,10 @@ class DSparkDrafter(Drafter):
         ids = ids.reshape(-1).to(dev)
         pos = (torch.tensor(last_pos, dtype=torch.long)[:, None] + 1 + torch.arange(G)[None, :]).reshape(-1).to(dev)
         streams = self.model.embed(ids).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+        pre = None
+        if self.v41:  # shifted hyper-connections: the first site collapses stream 0
+            pre = streams.new_zeros(streams.shape[:2], dtype=torch.float32)
+            pre[:, 0] = 1.0
         for s, stage in enumerate(self.stages):
             pool = self.cache.swa[self._cache_id(s)]
             ctx_kv, ctx_pos = [], []
@@ -109,9 +122,17 @@ class DSparkDrafter(Drafter):
                 lo = max(0, p + 2 - W)  # the first row of the block (position p+1) sees keys > p+1-W
                 ctx_kv.append(gather_rows(pool, table, lo, p + 1).to(dev))
                 ctx_pos.append(torch.arange(lo, p + 1, device=dev))
-            streams = stage.block_forward(streams, ids, pos, G, ctx_kv, ctx_pos, self.model.rotary_main)
+            rotary = self.model.rotary_main
+            if self.v41:
+                streams, pre = stage.block_forward(streams, pre, ids, pos, G, ctx_kv, ctx_pos, rotary)
+            else:
+                streams = stage.block_forward(streams, ids, pos, G, ctx_kv, ctx_pos, rotary)
         last = self.stages[-1]
-        x = hc_head(streams, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, cfg.hc_eps, cfg.rms_norm_eps)
+        if self.v41:
+            x = hc_collapse(streams, pre)
+        else:
+            x = hc_head(streams, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, cfg.hc_eps,
+                        cfg.rms_norm_eps)
         h = last.norm(x)
         logits = self.model.head(h).float()
         return logits.view(R, G, -1), h.view(R, G, -1)
