@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from ..kv_cache import GROUP_CSA, GROUP_SWA, KVCache
-from ..norm import unweighted_rms_norm
-from ..rope import Rotary, apply_rope
+from ..rope import Rotary
+from .decode import _inv_freq
+from .fused_weights import project
 from .prefill_compressor import compress_prefill
 from .prefill_meta import PrefillMeta
 
@@ -25,34 +26,46 @@ INDEX_TILE = 64
 
 def attention_prefill(attn: torch.nn.Module, x: torch.Tensor, meta: PrefillMeta, cache: KVCache,
                       rotary_main: Rotary, rotary_compress: Rotary) -> torch.Tensor:
-    """One layer's attention: x [T, hidden] (normed sublayer input) -> [T, hidden]."""
+    """One layer's attention: x [T, hidden] (normed sublayer input) -> [T, hidden].
+
+    Launches as the decode path's (shared fused weights): one GEMM for every projection
+    of x, q_norm, one GEMM for wq_b (+ the indexer's), q / kv norm + RoPE (kv written
+    into the window pool), the compressors, indexer scores + top-k, the attention
+    kernel, the output's inverse RoPE, wo_a, wo_b."""
     cfg, ops, pos, bs = attn.cfg, meta.ops, meta.positions, meta.block_size
-    cos, sin = meta.cos_sin(rotary_compress if attn.ratio else rotary_main, x.dtype)
-    q_res = attn.q_norm(attn.wq_a(x))
-    q = unweighted_rms_norm(attn.wq_b(q_res).view(-1, attn.n_heads, attn.head_dim), cfg.rms_norm_eps)
-    q = apply_rope(q, cos, sin)
-    kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)
+    n, eps = x.shape[0], cfg.rms_norm_eps
+    inv = _inv_freq(rotary_compress if attn.ratio else rotary_main, x.device)
+    comp, ix = attn.compressor, attn.indexer
+    x_side = [attn.wq_a, attn.wkv]  # the same lists (and fused-weight keys) as attention_decode
+    if comp is not None:
+        x_side += [comp.wkv, comp.wgate]
+    if ix is not None:
+        x_side += [ix.compressor.wkv, ix.compressor.wgate, ix.weights_proj]
+    proj = project(attn, "x", x_side, x)
+    q_res = ops.rms_norm(proj[0], attn.q_norm.weight, attn.q_norm.eps)
+    q_side = project(attn, "q", [attn.wq_b] + ([ix.wq_b] if ix is not None else []), q_res)
+    q = ops.norm_rope(q_side[0].view(n, attn.n_heads, attn.head_dim), pos, inv, "unweighted", eps=eps)
     swa = cache.swa[attn.cache_id]
-    swa[meta.swa_blk, meta.swa_sub] = kv.to(swa.dtype)
+    ops.norm_rope(proj[1], pos, inv, "weighted", attn.kv_norm.weight, attn.kv_norm.eps, pool=swa,
+                  table=meta.row_tables(GROUP_SWA))
     kv_store, index_store = attn._stores(cache)
-    comp = {}
+    extra = {}
     block_h = max(16, min(ATTN_ROWS, 1 << (attn.n_heads - 1).bit_length()))
     block_t = max(1, ATTN_ROWS // block_h)
-    if attn.compressor is not None:
-        compress_prefill(attn.compressor, x, pos, meta.plan(attn.compressor, kv_store), kv_store, rotary_compress, bs)
-        comp = dict(comp_pool=kv_store.entries, comp_table=meta.tables32[kv_store.group], ratio=attn.ratio)
-        if attn.indexer is not None:
-            ix = attn.indexer
-            compress_prefill(ix.compressor, x, pos, meta.plan(ix.compressor, index_store), index_store,
-                             rotary_compress, bs)
-            iq = apply_rope(ix.wq_b(q_res).view(-1, ix.n_heads, ix.dim), cos, sin)
-            iw = ix.weights_proj(x).float() * ix.n_heads ** -0.5
-            comp["topk_idx"] = ops.prefill_indexer_topk(
+    if comp is not None:
+        compress_prefill(comp, proj[2], proj[3], pos, meta.plan(comp, kv_store), kv_store, rotary_compress, bs)
+        extra = dict(comp_pool=kv_store.entries, comp_table=meta.tables32[kv_store.group], ratio=attn.ratio)
+        if ix is not None:
+            compress_prefill(ix.compressor, proj[4], proj[5], pos, meta.plan(ix.compressor, index_store),
+                             index_store, rotary_compress, bs)
+            iq = ops.norm_rope(q_side[1].view(n, ix.n_heads, ix.dim), pos, inv, "none")
+            iw = proj[6].float() * ix.n_heads ** -0.5
+            extra["topk_idx"] = ops.prefill_indexer_topk(
                 iq, iw, pos, meta.row_req, index_store.entries, meta.tables32[GROUP_CSA], attn.ratio, ix.topk,
                 meta.n_entries_max(attn.ratio), meta.tiles(INDEX_TILE))
             block_t = 1
     o = ops.prefill_attention(q, pos, meta.row_req, swa, meta.tables32[GROUP_SWA], attn.window, attn.attn_sink,
-                              **comp, tiles=meta.tiles(block_t) if block_t > 1 else None, block_t=block_t,
+                              **extra, tiles=meta.tiles(block_t) if block_t > 1 else None, block_t=block_t,
                               block_h=block_h)
-    o = apply_rope(o, cos, -sin)
-    return attn.wo_b(attn.wo_a(o.reshape(o.shape[0], cfg.o_groups, -1)))
+    o = ops.norm_rope(o, pos, inv, "none", inverse=True, out_dtype=x.dtype)
+    return attn.wo_b(attn.wo_a(o.view(n, cfg.o_groups, -1)))

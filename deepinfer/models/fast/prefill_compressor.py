@@ -101,13 +101,13 @@ def build_plan(seqs: list[SeqMeta], ratio: int, overlap: bool, ring_len: int, gr
         cat("keep_src"), cat("tail_blk"), cat("tail_src", r))
 
 
-def compress_prefill(comp: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor, plan: CompressorPlan,
-                     store, rotary: Rotary, block_size: int) -> None:
-    """``Compressor.forward`` for every request of the step: x [T, hidden] (the step's
-    rows), ``store`` a ``CompressorStore``. Writes entries, rings and tails."""
+def compress_prefill(comp: torch.nn.Module, kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor,
+                     plan: CompressorPlan, store, rotary: Rotary, block_size: int) -> None:
+    """``Compressor.forward`` for every request of the step, from the step's projections
+    kv = ``comp.wkv(x)`` and gate = ``comp.wgate(x)`` [T, coff * dim]; ``store`` a
+    ``CompressorStore``. Writes entries, rings and tails."""
     r, d = comp.ratio, comp.dim
-    kv = comp.wkv(x)
-    sc = comp.wgate(x) + comp.ape[positions % r]  # float32 scores, as the checkpoint's ape is
+    sc = gate + comp.ape[positions % r]  # float32 scores, as the checkpoint's ape is
     ring = store.ring  # [slots, ring_len, 2, coff * d] float32
     for seq in plan.new_seqs:
         comp._reset_ring(ring[seq.slot], seq, store, block_size)

@@ -2,8 +2,8 @@
 
 Built once per step from the batch's ``SeqMeta`` list (host lists, one Python loop over
 requests) and shared by every layer: the request of each row, block tables as int32
-tensors, each row's window-KV slot, query tiles for the kernels, and (on first use)
-the compressor plans and RoPE tables every layer of a kind reuses.
+tensors (per request and per row), query tiles for the kernels, and (on first use)
+the compressor plans every layer of a kind reuses.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..kv_cache import GROUP_SWA, SeqMeta
-from ..rope import Rotary
+from ..kv_cache import SeqMeta
 from .prefill_compressor import CompressorPlan, build_plan
 
 
@@ -27,13 +26,11 @@ class PrefillMeta:
     positions: torch.Tensor  # [T] int64
     row_req: torch.Tensor  # [T] int32: index into seqs / the table rows
     tables32: dict[str, torch.Tensor]  # group -> [R, width] int32 (padding 0, never read)
-    swa_blk: torch.Tensor  # [T] int64: physical window block of each row ...
-    swa_sub: torch.Tensor  # [T] int64: ... and its row in it
     block_size: int
     ops: Any
+    _row_tables: dict = field(default_factory=dict)
     _tiles: dict = field(default_factory=dict)
     _plans: dict = field(default_factory=dict)
-    _rope: dict = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
@@ -42,6 +39,12 @@ class PrefillMeta:
     def n_entries_max(self, ratio: int) -> int:
         """The most compressed entries any request has at the end of this step."""
         return max((s.start + s.length) // ratio for s in self.seqs)
+
+    def row_tables(self, group: str) -> torch.Tensor:
+        """[T, width] int32: each row's request's table (per-row writes into a pool)."""
+        if group not in self._row_tables:
+            self._row_tables[group] = self.tables32[group][self.row_req.long()]
+        return self._row_tables[group]
 
     def tiles(self, block_t: int) -> torch.Tensor:
         """Query tiles [n, 2] int32 (first row, rows) cut at multiples of ``block_t``."""
@@ -60,13 +63,6 @@ class PrefillMeta:
                                           store.entries.shape[1], self.block_size, self.device)
         return self._plans[key]
 
-    def cos_sin(self, rotary: Rotary, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rotary.cos_sin(positions, dtype)``, once per step."""
-        key = (id(rotary), dtype)
-        if key not in self._rope:
-            self._rope[key] = rotary.cos_sin(self.positions, dtype)
-        return self._rope[key]
-
 
 def build_prefill_meta(seqs: list[SeqMeta], positions: torch.Tensor, groups: list[str], block_size: int,
                        ops: Any) -> PrefillMeta:
@@ -81,9 +77,5 @@ def build_prefill_meta(seqs: list[SeqMeta], positions: torch.Tensor, groups: lis
         for i, s in enumerate(seqs):
             tab[i, :len(s.block_table[g])] = np.asarray(s.block_table[g], dtype=np.int32)
         tables32[g] = torch.from_numpy(tab).to(device)
-    pos = np.concatenate([np.arange(s.start, s.start + s.length) for s in seqs])
-    swa_blk = np.concatenate([np.asarray(s.block_table[GROUP_SWA], dtype=np.int64)[
-        np.arange(s.start, s.start + s.length) // block_size] for s in seqs])
     return PrefillMeta(seqs, positions, torch.from_numpy(row_req.astype(np.int32)).to(device), tables32,
-                       torch.from_numpy(swa_blk).to(device), torch.from_numpy(pos % block_size).to(device),
                        block_size, ops)
