@@ -30,6 +30,11 @@ How invariance is obtained (CPU, by construction; see
 
 The GPU half plugs in through :func:`register_kernel`: a compiled kernel registered for
 ``(op, device_type)`` replaces the torch reference for that op (names in :data:`OPS`).
+The Triton kernels of ``kernels/batch_invariant_*.py`` (:data:`BUILTIN_KERNELS`) are
+registered for "cuda" the first time the mode asks for a CUDA kernel (when Triton
+imports); :func:`load_builtin_kernels` registers them explicitly (tests do so for "cpu"
+under ``TRITON_INTERPRET=1``) and :func:`set_autoload` turns the automatic loading off
+(to measure the torch fallbacks).
 """
 
 from __future__ import annotations
@@ -37,11 +42,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import importlib
+import importlib.util
+import sys
+import threading
+import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["ROW_TILE", "KEY_BLOCK", "QUERY_TILE", "OPS", "enabled", "set_enabled", "batch_invariant_mode",
-           "scoped", "register_kernel", "get_kernel", "registered_kernels"]
+__all__ = ["ROW_TILE", "KEY_BLOCK", "QUERY_TILE", "OPS", "BUILTIN_KERNELS", "enabled", "set_enabled",
+           "batch_invariant_mode", "scoped", "register_kernel", "get_kernel", "registered_kernels",
+           "load_builtin_kernels", "set_autoload"]
 
 #: Rows per GEMM call in batch-invariant mode (activations are zero-padded to a multiple).
 ROW_TILE: int = 32
@@ -56,10 +68,22 @@ OPS: dict[str, str] = {
     "matmul_nt": "(a [M, K], b [N, K]) -> [M, N]; element (i, j) depends on neither M nor N",
     "attention": "invariant_attention.attend(...) signature; one fixed key order per query",
     "moe": "(moe module, x [T, D], input_ids [T]) -> [T, D]; fixed per-token combine order",
+    "row_sum": "(x [..., D], square: bool) -> float32 [...]; sum over D (of squares) in an order fixed by D",
+}
+
+#: op -> (module of deepinfer_kernels, function): the Triton kernels of the mode.
+BUILTIN_KERNELS: dict[str, tuple[str, str]] = {
+    "linear": ("batch_invariant_matmul", "linear"),
+    "matmul_nt": ("batch_invariant_matmul", "matmul_nt"),
+    "attention": ("batch_invariant_attention", "attention"),
+    "moe": ("batch_invariant_moe", "moe"),
+    "row_sum": ("batch_invariant_row_sum", "row_sum"),
 }
 
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("deepinfer_batch_invariant", default=False)
 _KERNELS: dict[tuple[str, str], Callable[..., Any]] = {}
+_AUTOLOAD = {"cuda": True}  # device types whose built-in kernels load on first use
+_LOAD_LOCK = threading.Lock()
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -115,8 +139,51 @@ def register_kernel(op: str, device_type: str, fn: Callable[..., Any] | None) ->
 
 
 def get_kernel(op: str, device_type: str) -> Callable[..., Any] | None:
-    """The registered kernel for ``op`` on ``device_type``, or None (torch reference)."""
+    """The registered kernel for ``op`` on ``device_type``, or None (torch reference).
+    The first CUDA lookup registers the built-in Triton kernels (see :func:`set_autoload`)."""
+    if _AUTOLOAD.get(device_type):
+        with _LOAD_LOCK:
+            if _AUTOLOAD.get(device_type):
+                _AUTOLOAD[device_type] = False
+                try:
+                    load_builtin_kernels(device_type)
+                except ImportError as exc:  # no Triton: the torch references (fixed shapes) run instead
+                    warnings.warn(f"batch-invariant mode on {device_type} runs the torch references: {exc}",
+                                  stacklevel=2)
     return _KERNELS.get((op, device_type))
+
+
+def set_autoload(device_type: str, flag: bool) -> None:
+    """Whether the first lookup for ``device_type`` registers the built-in kernels (on
+    for "cuda"). Turning it off does not remove kernels already registered."""
+    _AUTOLOAD[device_type] = bool(flag)
+
+
+def load_builtin_kernels(device_type: str, ops: list[str] | None = None) -> list[str]:
+    """Register the Triton kernels of :data:`BUILTIN_KERNELS` (all, or ``ops``) for
+    ``device_type``; returns the ops registered. Triton runs them on CUDA tensors, or on
+    CPU tensors when ``TRITON_INTERPRET=1`` was set before they were imported."""
+    names = list(BUILTIN_KERNELS) if ops is None else ops
+    for op in names:
+        module, fn = BUILTIN_KERNELS[op]
+        register_kernel(op, device_type, getattr(_kernels_module(module), fn))
+    return names
+
+
+def _kernels_module(name: str) -> Any:
+    """``deepinfer_kernels.<name>``; a checkout that was not pip-installed (the device
+    machine runs with PYTHONPATH=.) has the package only as the folder kernels/."""
+    if "deepinfer_kernels" not in sys.modules and importlib.util.find_spec("deepinfer_kernels") is None:
+        init = Path(__file__).resolve().parents[1] / "kernels" / "__init__.py"
+        if not init.exists():
+            raise ImportError("deepinfer_kernels is neither installed nor next to the deepinfer package")
+        spec = importlib.util.spec_from_file_location("deepinfer_kernels", init,
+                                                      submodule_search_locations=[str(init.parent)])
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["deepinfer_kernels"] = module
+        spec.loader.exec_module(module)
+    return importlib.import_module(f"deepinfer_kernels.{name}")
 
 
 def registered_kernels() -> dict[tuple[str, str], str]:

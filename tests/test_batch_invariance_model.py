@@ -111,3 +111,29 @@ def test_runner_scope() -> None:
     runner.batch_invariant = False
     with batch_invariant_mode(True):
         assert not runner.execute() and bi.enabled()  # the runner's own setting wins inside
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_parallel_layer_in_the_mode(fresh_seed: int, dtype: torch.dtype) -> None:
+    """The EP layer's expert GEMMs and combine order in the mode: a token's output does not
+    depend on the other tokens, and equals the single-process MoE bitwise even when
+    redundant replicas split an expert's rows into two GEMMs (off the mode only close)."""
+    from batch_invariance_common import assert_row_invariant
+
+    from deepinfer.models.moe import MoE
+    from deepinfer.parallel.comm import EPComm
+    from deepinfer.parallel.expert_parallel import ExpertParallelMoE
+    from deepinfer.parallel.placement import ExpertPlacement
+
+    gen = torch.Generator().manual_seed(fresh_seed)
+    moe = MoE(64, 32, 8, 2, 1, False, 100, "sqrtsoftplus", 1.5, True, 10.0, dtype)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_((torch.randn(p.shape, generator=gen) * 0.2).to(p.dtype))
+    redundant = ExpertParallelMoE(moe, 0, ExpertPlacement.default(1, 8, 1, 3).phy2log[0], EPComm())
+    x, ids = torch.randn(41, 64, generator=gen).to(dtype), torch.randint(0, 100, (41,), generator=gen)
+    with batch_invariant_mode(True), torch.no_grad():
+        assert torch.equal(redundant(x, ids), moe(x, ids))
+        assert_row_invariant(redundant, lambda m: (torch.randn(m, 64, generator=gen).to(dtype),
+                                                   torch.randint(0, 100, (m,), generator=gen)),
+                             sizes=[1, 7, 64], targets=2)

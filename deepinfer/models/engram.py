@@ -205,8 +205,9 @@ class Engram(nn.Module):
         value = kv[:, self.hc * self.hidden:].float()
         h = streams.float()
         w = self.q_weight.float() * self.k_weight.float()  # only ever used as a product
-        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        dot = (h * w * key).sum(-1) * rstd * self.hidden ** -0.5  # [T, hc]
+        ms_h, ms_k = invariant_ops.mean_square(h).squeeze(-1), invariant_ops.mean_square(key).squeeze(-1)
+        rstd = torch.rsqrt(ms_h + self.eps) * torch.rsqrt(ms_k + self.eps)
+        dot = invariant_ops.row_sum(h * w * key) * rstd * self.hidden ** -0.5  # [T, hc]
         gate = invariant_ops.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
         return (h + gate.unsqueeze(-1) * value.unsqueeze(1)).to(streams.dtype)
 

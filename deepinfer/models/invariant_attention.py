@@ -29,7 +29,7 @@ from deepinfer import batch_invariant as bi
 
 from .invariant_ops import pad_rows
 
-__all__ = ["attend"]
+__all__ = ["attend", "attend_reference"]
 
 
 def attend(q: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, k_lo: int, window: int,
@@ -55,6 +55,13 @@ def attend(q: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, k_lo: int, wi
     kernel = bi.get_kernel("attention", q.device.type)
     if kernel is not None:
         return kernel(q, pos, keys, k_lo, window, entries, entry_mask, sink, scale)
+    return attend_reference(q, pos, keys, k_lo, window, entries, entry_mask, sink, scale)
+
+
+def attend_reference(q: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, k_lo: int, window: int,
+                     entries: torch.Tensor | None, entry_mask: torch.Tensor | None, sink: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """The torch implementation of :func:`attend` (same arguments), whatever kernel is registered."""
     n_q, heads, dim = q.shape
     qt, kb = bi.QUERY_TILE, bi.KEY_BLOCK
     qf = pad_rows(q.reshape(n_q, heads * dim).float(), qt).view(-1, heads, dim)

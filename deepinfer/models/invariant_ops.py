@@ -24,12 +24,20 @@ measured by tests/test_batch_invariance.py and profiling/batch_invariance_probe.
   :mod:`deepinfer.models.invariant_attention`; the indexer's scores GEMM likewise
   -> :func:`matmul_nt` (rows and keys both blocked).
 
-Invariant without the mode (row-wise kernels of a fixed row length): RMSNorm and
-the unweighted norm, softmax / log_softmax over the last dim, exp, log, cos, sin,
+Invariant without the mode on CPU (row-wise kernels of a fixed row length): RMSNorm
+and the unweighted norm, softmax / log_softmax over the last dim, exp, log, cos, sin,
 sqrt, rsqrt (float32), casts, top-k / stable sort per row, the mHC small reductions
 and ``hc_post``'s batched 4x4 matmul, the compressor's window softmax / sum, the MoE
 combine (``index_add_`` adds each token's expert outputs in ascending expert id) and
 the sampler (row-wise, counter-based RNG).
+
+On CUDA two more families vary with the batch and get dispatchers here: torch's
+reductions over the last dim choose their thread layout from the number of rows too
+(fewer than 16 rows: up to 512 lanes per row; 16 or more: 32), which moves the bits
+of RMSNorm's mean of squares -> :func:`mean_square` / :func:`row_sum` (the "row_sum"
+kernel); and batched matmuls pick their cuBLAS kernel from the batch count ->
+:func:`stream_mix` / :func:`collapse_streams` (mHC's per-token 4-stream products as
+explicit float32 sums in a fixed order, any device).
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ import torch.nn.functional as F
 
 from deepinfer import batch_invariant as bi
 
-__all__ = ["linear", "tiled_linear", "matmul_nt", "grouped_linear", "sigmoid", "silu", "softplus", "pad_rows"]
+__all__ = ["linear", "tiled_linear", "matmul_nt", "grouped_linear", "sigmoid", "silu", "softplus", "pad_rows",
+           "row_sum", "mean_square", "stream_mix", "collapse_streams"]
 
 
 def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -124,3 +133,43 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
         return F.softplus(x)
     xf = x.float()
     return torch.where(xf > 20.0, xf, torch.log1p(torch.exp(xf.clamp(max=20.0)))).to(x.dtype)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """``x.sum(-1)``; in the mode, with a "row_sum" kernel for the device, float32 sums
+    in an order fixed by the row length."""
+    kernel = bi.get_kernel("row_sum", x.device.type) if bi.enabled() else None
+    return x.sum(-1) if kernel is None else kernel(x, False)
+
+
+def mean_square(x: torch.Tensor) -> torch.Tensor:
+    """``x.float().pow(2).mean(-1, keepdim=True)`` (RMSNorm's statistic, float32); in the
+    mode, with a "row_sum" kernel for the device, from its fixed-order sum of squares."""
+    kernel = bi.get_kernel("row_sum", x.device.type) if bi.enabled() else None
+    if kernel is None:
+        return x.float().pow(2).mean(-1, keepdim=True)
+    return kernel(x, True).unsqueeze(-1) / x.shape[-1]
+
+
+def stream_mix(a: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``torch.matmul(a, s)`` for a [T, N, N], s [T, N, D] (mHC's stream mixing); in the
+    mode ``sum_j a[:, :, j] * s[:, j]`` added in j order in float32, rounded once to
+    s's dtype (a GEMM's own rounding), on every device."""
+    if not bi.enabled():
+        return torch.matmul(a, s)
+    af, sf = a.float(), s.float()
+    acc = af[:, :, 0, None] * sf[:, None, 0]
+    for j in range(1, s.shape[1]):
+        acc = acc + af[:, :, j, None] * sf[:, None, j]
+    return acc.to(s.dtype)
+
+
+def collapse_streams(pre: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``(pre.unsqueeze(-1) * s).sum(dim=1)`` for pre [T, N], s [T, N, D] (mHC's
+    collapse, before the cast); in the mode the N products are added in stream order."""
+    if not bi.enabled():
+        return (pre.unsqueeze(-1) * s).sum(dim=1)
+    acc = pre[:, 0, None] * s[:, 0]
+    for j in range(1, s.shape[1]):
+        acc = acc + pre[:, j, None] * s[:, j]
+    return acc

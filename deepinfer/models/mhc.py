@@ -31,14 +31,15 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     for _ in range(iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    collapsed = invariant_ops.collapse_streams(pre, streams).to(streams.dtype)
     return post, comb, collapsed
 
 
 def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New streams = post (x) sublayer output + comb^T @ old streams. out: [T, D]."""
     dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    mixed = invariant_ops.stream_mix(comb.to(dtype).transpose(-1, -2), streams)
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -46,4 +47,4 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     """Final collapse of the streams before the output norm: [T, N, D] -> [T, D]."""
     flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), norm_eps)
     pre = invariant_ops.sigmoid(invariant_ops.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
-    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return invariant_ops.collapse_streams(pre, streams).to(streams.dtype)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .invariant_ops import mean_square
+
 
 class RMSNorm(nn.Module):
     """Weighted RMSNorm. Normalises in float32; the weight stays float32 (as the
@@ -19,10 +21,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = xf * torch.rsqrt(mean_square(xf) + self.eps)  # fixed-order on GPUs in batch-invariant mode
         return (self.weight * xf.to(dtype)).to(dtype)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without a weight (per-head query norm, mHC input norm)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    return x * torch.rsqrt(mean_square(x) + eps).to(x.dtype)

@@ -60,7 +60,7 @@ def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    return (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
+    return invariant_ops.collapse_streams(pre, streams.float()).to(streams.dtype)
 
 
 def hc_expand(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,12 @@ for the same routed rows, the output equals `deepinfer.models.moe.MoE` bitwise w
 every expert's rows reach the same matmul shapes, because each contribution is formed
 exactly as there ((expert(x) * weight).to(dtype)) and a token's contributions are added
 to zero in ascending logical-expert order, the order the reference's index_add_ uses.
+
+In batch-invariant mode the expert GEMMs go through ``invariant_ops.linear`` (fixed
+tiles, as the reference's ``Linear`` does in the mode), so a token's output is the same
+bits whatever the other tokens, on whichever rank its experts run, and equals the
+single-process MoE in the mode where that runs its torch loop (no "moe" kernel
+registered for the device).
 """
 
 from __future__ import annotations
@@ -14,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.models import invariant_ops
 from deepinfer.models.moe import MoE, clipped_swiglu
 from deepinfer.parallel.comm import EPComm
 
@@ -113,8 +119,11 @@ class ExpertParallelMoE(nn.Module):
         return self.row[r * spr:(r + 1) * spr].tolist()
 
     def _expert(self, s: int, x: torch.Tensor) -> torch.Tensor:
-        """Local slot ``s`` on rows ``x``: exactly `Expert.forward` with this slot's weights."""
-        return F.linear(clipped_swiglu(F.linear(x, self.w1[s]), F.linear(x, self.w3[s]), self.limit), self.w2[s])
+        """Local slot ``s`` on rows ``x``: exactly `Expert.forward` with this slot's weights
+        (in batch-invariant mode through the mode's fixed-tile linears, as there)."""
+        w1, w2, w3 = self.w1[s], self.w2[s], self.w3[s]
+        return invariant_ops.linear(clipped_swiglu(invariant_ops.linear(x, w1), invariant_ops.linear(x, w3),
+                                                   self.limit), w2)
 
     def _run_local(self, x: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
         """Rows received from each source rank, each block sorted by local slot with
