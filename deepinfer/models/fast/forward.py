@@ -27,14 +27,17 @@ def _mhc_args(layer: torch.nn.Module, which: str) -> tuple[torch.Tensor, torch.T
     return getattr(layer, f"hc_{which}_fn"), getattr(layer, f"hc_{which}_base"), getattr(layer, f"hc_{which}_scale")
 
 
-def decode_logits(model: Any, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-    """Float32 logits [R, V] of every row of a pure-decode batch (``batch.decode`` set)."""
+def decode_logits(model: Any, batch: ForwardBatch, cache: KVCache,
+                  capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """Float32 logits [R, V] of every row of a pure-decode batch (``batch.decode`` set).
+    ``capture`` (numerics studies): for every layer id among its keys, ``capture[i]`` is set
+    to that layer's input streams [R, N, D], as ``DeepseekV4Model.forward`` does."""
     cfg, ops = model.cfg, batch.decode.ops
     iters, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
     ctx = model.context(batch, cache)
     streams = model.embed(batch.input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1)
     prev = None  # (sublayer output, post, comb) whose hc_post is still to apply
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         norm = (layer.attn_norm.weight, layer.attn_norm.eps)
         if prev is None:
             post, comb, x = ops.hc_pre(streams, *_mhc_args(layer, "attn"), iters, hc_eps, eps, norm)
@@ -42,6 +45,8 @@ def decode_logits(model: Any, batch: ForwardBatch, cache: KVCache) -> torch.Tens
             out, post, comb = prev
             streams, post, comb, x = ops.hc_post_pre(out, streams, post, comb, *_mhc_args(layer, "attn"), iters,
                                                      hc_eps, eps, norm)
+        if capture is not None and i in capture:
+            capture[i] = streams
         out = attention_decode(layer.attn, x, ctx)
         norm = (layer.ffn_norm.weight, layer.ffn_norm.eps)
         streams, post, comb, x = ops.hc_post_pre(out, streams, post, comb, *_mhc_args(layer, "ffn"), iters,

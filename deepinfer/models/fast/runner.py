@@ -163,10 +163,15 @@ class FastPath:
                           graphed=graphed)
 
     # ---- execution -------------------------------------------------------------------
-    def _logits(self, meta: DecodeMeta) -> torch.Tensor:
+    def _logits(self, meta: DecodeMeta, capture: dict | None = None) -> torch.Tensor:
         batch = ForwardBatch(meta.ids, meta.positions, [])
         batch.decode = meta
-        return decode_logits(self.model, batch, self.cache)
+        return decode_logits(self.model, batch, self.cache, capture)
+
+    def eager_logits(self, batch: ForwardBatch, capture: dict | None = None) -> torch.Tensor:
+        """Logits [R, V] of a prepared step run eagerly (graphs bypassed); ``capture`` as in
+        :func:`forward.decode_logits` (numerics studies)."""
+        return self._logits(batch.decode, capture)
 
     def run(self, so: Any, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits [R, V] of a pure-decode step (``batch.decode`` from :meth:`prepare`):
