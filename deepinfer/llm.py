@@ -33,6 +33,7 @@ from deepinfer.outputs import RequestMetrics, RequestOutput
 from deepinfer.platform import get_platform
 from deepinfer.profiling.markers import SCHEDULE, UPDATE, phase
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.spec import step_curve as _spec_step_curve  # noqa: F401  registers DEEPINFER_SPEC_STEP_CURVE
 from deepinfer.structured.manager import StructuredOutputManager
 from deepinfer.tokenizer import Tokenizer, load_tokenizer
 

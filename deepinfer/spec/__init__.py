@@ -36,5 +36,9 @@ def setup(llm) -> None:
     k = llm.config.num_speculative_tokens
     widen_compressor_rings(llm.kv_cache, k)
     drafter = make_drafter(llm.model, llm.kv_cache, k)
-    llm.runner.spec = SpecDecoder(drafter, k, varlen=llm.config.enable_mtp_varlen)
+    curve, source = None, "default"
+    if llm.config.enable_mtp_varlen:  # the confidence scheduler needs T(verify tokens)
+        from .step_curve import curve_for_engine
+        curve, source = curve_for_engine(llm)
+    llm.runner.spec = SpecDecoder(drafter, k, varlen=llm.config.enable_mtp_varlen, curve=curve, curve_source=source)
     llm.scheduler.config.num_lookahead_tokens = drafter.lookahead

@@ -10,6 +10,8 @@ sees exactly which rows hold valid KV (real tokens + accepted drafts).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
@@ -19,6 +21,7 @@ from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, p
 from .drafter import Draft, DraftContext, Drafter
 from .metrics import SpecMetrics
 from .scheduling import StepTimeCurve, split_budget
+from .step_curve import OnlineStepTimeCurve
 from .verify import drafts_to_verify, rejection_sample
 
 
@@ -36,9 +39,13 @@ class SpecDecoder:
     """Owns the drafter, the pending drafts and the speculative metrics of one runner."""
 
     def __init__(self, drafter: Drafter, num_speculative_tokens: int, varlen: bool = False,
-                 curve: StepTimeCurve | None = None, rule: str = "standard") -> None:
+                 curve: StepTimeCurve | OnlineStepTimeCurve | None = None, rule: str = "standard",
+                 curve_source: str = "default") -> None:
         self.drafter, self.k, self.varlen = drafter, num_speculative_tokens, varlen
+        #: T(verify tokens) of the confidence scheduler; an OnlineStepTimeCurve also learns from
+        #: the verify steps run here (`execute` reports their wall time)
         self.curve = curve or StepTimeCurve.default()
+        self.curve_source = curve_source  # "measured:<json>", "profiled" or "default"
         self.rule = rule  # acceptance rule (tests break it on purpose)
         self.metrics = SpecMetrics()
         self.drafts: dict[str, Draft] = {}  # proposed after the last step, not yet attached
@@ -90,6 +97,16 @@ class SpecDecoder:
     # ---------------------------------------------------------------- device side
     @torch.no_grad()
     def execute(self, runner, so: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        out = self._execute(runner, so, grammar)
+        # a pure verify step (every request: last token + drafts) corrects the step-time curve;
+        # its results reached the host above, so the host clock covers the device work
+        if isinstance(self.curve, OnlineStepTimeCurve) and so.scheduled and all(
+                r.needs_sample and r.num_tokens == r.num_draft_tokens + 1 for r in so.scheduled):
+            self.curve.observe(sum(r.num_tokens for r in so.scheduled), time.perf_counter() - t0)
+        return out
+
+    def _execute(self, runner, so: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
         model = runner.model
         self.drafter.drop(so.preempted_req_ids + so.finished_req_ids)
         for rid in so.preempted_req_ids + so.finished_req_ids:

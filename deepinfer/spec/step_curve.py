@@ -1,0 +1,180 @@
+"""Where the confidence-scheduled verify budget gets its step-time curve T(tokens).
+
+In order (`curve_for_engine`, called by `deepinfer.spec.setup` when
+``enable_mtp_varlen`` is on):
+
+1. a measured curve: ``profiling/results/spec_step_curve_*.json`` (written by
+   ``profiling/spec_step_curve.py``) whose ``hardware`` and ``model_signature`` match this
+   engine (``DEEPINFER_SPEC_STEP_CURVE`` = a file or directory overrides where to look,
+   ``profile`` skips the files);
+2. else a curve profiled at start-up: a few verify-shaped steps of the model (forward +
+   logits + sampler) at total sizes 1, 2, 4, ... up to the largest step the engine can
+   plan, timed with host clocks after a device sync;
+3. either way wrapped in `OnlineStepTimeCurve`, which replaces a size's value by the
+   running median of the verify steps the engine actually ran at that size, and scales
+   sizes not seen yet by the median ratio observed / predicted (REFERENCE.md section 8).
+
+The profile writes KV rows of blocks 0.. and resets state slots 0..: it runs before any
+request exists (nothing is cached or running yet), and every row is rewritten before a
+later request reads it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import json
+import os
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from deepinfer.config import register_env_var
+
+from .scheduling import StepTimeCurve
+
+ENV_CURVE = "DEEPINFER_SPEC_STEP_CURVE"
+register_env_var(ENV_CURVE, "path: a spec_step_curve_*.json file or a directory of them for the confidence-scheduled "
+                            "verify budget (default profiling/results; 'profile' = always profile at start-up)")
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "profiling" / "results"
+SIGNATURE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                  "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "vocab_size")
+
+
+def hardware_key(device: torch.device) -> str:
+    """What a measured curve must have been recorded on: the GPU's name, or the CPU model."""
+    from deepinfer.profiling.records import device_name, hardware_name
+
+    return device_name(device) if device.type != "cpu" else hardware_name()
+
+
+def model_signature(cfg, dtype: torch.dtype) -> dict:
+    """The model shape a step time depends on (a curve of another model does not apply)."""
+    sig = {k: getattr(cfg, k) for k in SIGNATURE_KEYS if hasattr(cfg, k)}
+    sig["dtype"] = str(dtype).split(".")[-1]
+    return sig
+
+
+def curve_record(llm, rows: list[dict]) -> dict:
+    """The keys a curve file needs to be found again for this engine (`find_measured_curve`):
+    ``hardware``, ``model_signature`` and ``rows`` of ``{batch, verify_per_request, step_ms}``."""
+    return {"hardware": hardware_key(llm.device), "model_signature": model_signature(llm.model_config, llm.model.dtype),
+            "rows": rows}
+
+
+def find_measured_curve(hardware: str, signature: dict, where: str | os.PathLike | None = None
+                        ) -> tuple[StepTimeCurve, str] | None:
+    """The newest matching ``spec_step_curve_*.json`` under ``where`` (a file or directory;
+    default profiling/results), as (curve, path); None when none matches."""
+    where = Path(where or RESULTS_DIR)
+    paths = [where] if where.is_file() else sorted(map(Path, glob.glob(str(where / "spec_step_curve_*.json"))),
+                                                   key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if data.get("hardware") == hardware and data.get("model_signature") == signature and data.get("rows"):
+            return StepTimeCurve.from_profile(data), str(path)
+    return None
+
+
+class OnlineStepTimeCurve:
+    """A base curve corrected by running medians of measured verify steps.
+
+    ``observe(tokens, seconds)`` files a measured step under its grid size (the smallest
+    base size >= tokens, i.e. the captured graph it would pad to). A size with at least
+    ``min_obs`` observations answers with their median (the last ``window``); other sizes
+    answer base(tokens) x the median of observed / predicted over all recent steps."""
+
+    def __init__(self, base: StepTimeCurve, window: int = 32, min_obs: int = 3) -> None:
+        self.base, self.min_obs = base, min_obs
+        self.obs: dict[int, deque[float]] = {}
+        self.ratios: deque[float] = deque(maxlen=4 * window)
+        self.window = window
+
+    def _grid(self, tokens: int) -> int:
+        i = bisect.bisect_left(self.base.tokens, tokens)
+        return self.base.tokens[i] if i < len(self.base.tokens) else tokens
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < 1 or not seconds > 0:
+            return
+        g = self._grid(tokens)
+        self.obs.setdefault(g, deque(maxlen=self.window)).append(seconds)
+        self.ratios.append(seconds / self.base(tokens))
+
+    def __call__(self, tokens: int) -> float:
+        seen = self.obs.get(self._grid(tokens))
+        if seen is not None and len(seen) >= self.min_obs:
+            return statistics.median(seen)
+        scale = statistics.median(self.ratios) if len(self.ratios) >= self.min_obs else 1.0
+        return self.base(tokens) * scale
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def profile_step_curve(llm, max_tokens: int, repeats: int = 2, budget_s: float = 20.0) -> StepTimeCurve:
+    """Time verify-shaped steps of ``llm``'s model at total sizes 1, 2, 4, ... <= max_tokens
+    (and max_tokens): R requests of at most k + 1 rows each, forward + logits + sampler.
+    Median of ``repeats`` after one warm-up; stops early past ``budget_s`` (the curve
+    extrapolates linearly beyond its largest size)."""
+    from deepinfer.engine.outputs import SchedulerOutput, ScheduledRequest
+    from deepinfer.engine.sampler import SamplingTensors
+    from deepinfer.sampling_params import SamplingParams
+
+    runner, k = llm.runner, llm.config.num_speculative_tokens
+    per_req = k + 1
+    pools = llm.kv_manager.pools
+    n_blocks = min(p.num_blocks for p in pools.values())
+    slots = llm.kv_manager.max_num_seqs
+    sizes = sorted({min(1 << i, max_tokens) for i in range(max(1, max_tokens).bit_length() + 1)})
+    greedy = SamplingParams(temperature=0.0)
+    tokens, seconds, start = [], [], time.perf_counter()
+    for n in sizes:
+        reqs, left = [], n
+        while left:
+            r, v = len(reqs), min(per_req, left)
+            ids = [(7 * r + j) % llm.model_config.vocab_size for j in range(v)]
+            reqs.append(ScheduledRequest(f"profile-{r}", ids, 0, {g: [r % n_blocks] for g in pools}, r % slots,
+                                         True, True, greedy, 0, v))
+            left -= v
+        so = SchedulerOutput(reqs, n)
+        times = []
+        for rep in range(repeats + 1):
+            _sync(llm.device)
+            t0 = time.perf_counter()
+            batch = runner.build_batch(so)
+            hidden = llm.model(batch, llm.kv_cache)
+            logits = llm.model.compute_logits(hidden)
+            params = SamplingTensors.from_params([greedy] * n, list(range(n)), llm.device)
+            runner.sampler.sample(logits, params).token_ids.tolist()
+            _sync(llm.device)
+            if rep:
+                times.append(time.perf_counter() - t0)
+        tokens.append(n)
+        seconds.append(statistics.median(times))
+        if time.perf_counter() - start > budget_s:
+            break
+    return StepTimeCurve(tokens, seconds)
+
+
+def curve_for_engine(llm) -> tuple[OnlineStepTimeCurve, str]:
+    """(the curve the confidence scheduler uses, where its base came from: ``measured:<path>``
+    or ``profiled``); see the module docstring."""
+    where = os.environ.get(ENV_CURVE)
+    if where != "profile":
+        found = find_measured_curve(hardware_key(llm.device), model_signature(llm.model_config, llm.model.dtype),
+                                    where)
+        if found is not None:
+            return OnlineStepTimeCurve(found[0]), f"measured:{found[1]}"
+    cfg = llm.config
+    most = min(cfg.max_num_seqs * (cfg.num_speculative_tokens + 1), cfg.max_num_batched_tokens)
+    return OnlineStepTimeCurve(profile_step_curve(llm, most)), "profiled"

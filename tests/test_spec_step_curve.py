@@ -1,0 +1,83 @@
+"""The confidence scheduler's step-time curve: a measured curve file is used when its
+hardware and model match, else the curve is profiled at start-up; running medians of the
+verify steps the engine runs then correct it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deepinfer.models.tiny import tiny_config, write_tiny_checkpoint
+from deepinfer.spec.scheduling import StepTimeCurve
+from deepinfer.spec.step_curve import ENV_CURVE, OnlineStepTimeCurve, curve_record, find_measured_curve
+
+from spec_common import PARAMS, VOCAB, make_llm, mixed_prompts
+
+ROWS = [{"batch": b, "verify_per_request": v, "step_ms": 10.0 + b * v} for b in (1, 4) for v in (1, 2, 3)]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_curve")
+    write_tiny_checkpoint(str(path), seed=3, cfg=tiny_config(vocab_size=VOCAB, sliding_window=32))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def profiled(ckpt):
+    """An engine whose curve was profiled at start-up (no matching file on this machine)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv(ENV_CURVE, "profile")
+    try:
+        yield make_llm(ckpt, num_speculative_tokens=3, enable_mtp_varlen=True, max_num_seqs=4)
+    finally:
+        mp.undo()
+
+
+def test_startup_profile_covers_every_plannable_size(profiled):
+    spec = profiled.runner.spec
+    assert spec.curve_source == "profiled" and isinstance(spec.curve, OnlineStepTimeCurve)
+    base = spec.curve.base
+    assert base.tokens == [1, 2, 4, 8, 16]  # up to max_num_seqs * (k + 1) = 16 verify rows
+    assert all(s > 0 for s in base.seconds)
+
+
+def test_measured_curve_of_this_hardware_and_model_is_loaded(ckpt, profiled, tmp_path, monkeypatch):
+    good = curve_record(profiled, ROWS)
+    other_model = dict(good, model_signature={**good["model_signature"], "hidden_size": 4096})
+    other_hw = dict(good, hardware="NVIDIA H200")
+    for name, rec in (("a_model", other_model), ("b_hw", other_hw), ("c_match", good)):
+        (tmp_path / f"spec_step_curve_{name}.json").write_text(json.dumps(rec))
+    found = find_measured_curve(good["hardware"], good["model_signature"], tmp_path)
+    assert found is not None and found[1].endswith("spec_step_curve_c_match.json")
+    assert found[0].tokens == [1, 2, 3, 4, 8, 12] and found[0](5) == pytest.approx(0.018)
+    assert find_measured_curve("NVIDIA H200", good["model_signature"], tmp_path / "spec_step_curve_a_model.json") is None
+    monkeypatch.setenv(ENV_CURVE, str(tmp_path))
+    llm = make_llm(ckpt, num_speculative_tokens=3, enable_mtp_varlen=True, max_num_seqs=4)
+    spec = llm.runner.spec
+    assert spec.curve_source.startswith("measured:") and spec.curve_source.endswith("c_match.json")
+    assert spec.curve.base.tokens == found[0].tokens and spec.curve.base.seconds == found[0].seconds
+
+
+def test_running_medians_correct_the_curve():
+    c = OnlineStepTimeCurve(StepTimeCurve([1, 2, 4, 8], [1.0, 1.0, 2.0, 4.0]), window=5, min_obs=3)
+    assert c(3) == 2.0 and c(8) == 4.0
+    c.observe(3, 6.0)
+    c.observe(4, 5.0)
+    assert c(3) == 2.0  # two observations of size 4 are not enough for its own median
+    c.observe(3, 1.0)  # ratios observed / predicted: 3, 2.5, 0.5
+    assert c(4) == 5.0 and c(3) == 5.0  # median of the three size-4 steps
+    assert c(8) == pytest.approx(4.0 * 2.5)  # unseen size: base x median ratio
+    for _ in range(5):  # the window keeps the last 5
+        c.observe(4, 9.0)
+    assert c(4) == 9.0
+
+
+def test_engine_verify_steps_feed_the_running_medians(profiled):
+    outs = profiled.generate(prompt_token_ids=mixed_prompts()[:4], sampling_params=PARAMS[:4], use_tqdm=False)
+    assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs, PARAMS))
+    curve = profiled.runner.spec.curve
+    seen = {g: len(v) for g, v in curve.obs.items()}
+    assert sum(seen.values()) >= 5 and set(seen) <= set(curve.base.tokens)
+    assert len(curve.ratios) == sum(seen.values())
