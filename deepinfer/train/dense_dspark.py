@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.models.mhc import hc_head, hc_post, hc_pre
+from deepinfer.models.mhc import hc_head, hc_post
 from deepinfer.models.norm import unweighted_rms_norm
 from deepinfer.models.rope import apply_rope
 
 from .dense_attention import rope_rows
+from .dense_model import mix_pre
 
 
 @dataclass
@@ -106,15 +107,14 @@ def draft_forward(model: torch.nn.Module, stages: torch.nn.ModuleList, main_x: t
     anchors = blocks.positions[..., 0] - 1
     for stage in stages:
         ctx_keys, ctx_pos = _context_keys(stage, main_x, anchors, model.rotary_main)
-        post, comb, x = hc_pre(streams, stage.hc_attn_fn, stage.hc_attn_base, stage.hc_attn_scale,
-                               cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        post, comb, x = mix_pre(streams, stage.hc_attn_fn, stage.hc_attn_base, stage.hc_attn_scale, cfg)
         out = _block_attention(stage, stage.attn_norm(x), blocks, ctx_keys, ctx_pos, model.rotary_main)
         streams = hc_post(out, streams, post, comb)
-        post, comb, x = hc_pre(streams, stage.hc_ffn_fn, stage.hc_ffn_base, stage.hc_ffn_scale,
-                               cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        post, comb, x = mix_pre(streams, stage.hc_ffn_fn, stage.hc_ffn_base, stage.hc_ffn_scale, cfg)
         streams = hc_post(stage.ffn(stage.ffn_norm(x), ids), streams, post, comb)
     last = stages[-1]
-    x = hc_head(streams, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, cfg.hc_eps, cfg.rms_norm_eps)
+    with torch.autocast(streams.device.type, enabled=False):
+        x = hc_head(streams, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, cfg.hc_eps, cfg.rms_norm_eps)
     hidden = last.norm(x)
     logits = model.head(hidden).float()
     return logits.view(b, a, g, -1), hidden.view(b, a, g, -1)

@@ -27,18 +27,23 @@ class DenseForward:
     indexer_kl: list[torch.Tensor] = field(default_factory=list)  # one per CSA layer
 
 
+def mix_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_pre` in float32 even under autocast, as the engine computes the mHC mixes."""
+    with torch.autocast(streams.device.type, enabled=False):
+        return hc_pre(streams, fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+
+
 def block_forward(block: torch.nn.Module, streams: torch.Tensor, ids: torch.Tensor, shape: tuple[int, int],
                   rotary_main, rotary_compress, with_indexer_loss: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`Block.forward` with dense attention. streams [B * L, N, D], ids [B * L]."""
     cfg, (b, length) = block.cfg, shape
-    post, comb, x = hc_pre(streams, block.hc_attn_fn, block.hc_attn_base, block.hc_attn_scale,
-                           cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+    post, comb, x = mix_pre(streams, block.hc_attn_fn, block.hc_attn_base, block.hc_attn_scale, cfg)
     out, aux = dense_attention(block.attn, block.attn_norm(x).view(b, length, -1), rotary_main, rotary_compress,
                                with_indexer_loss)
     streams = hc_post(out.reshape(b * length, -1), streams, post, comb)
-    post, comb, x = hc_pre(streams, block.hc_ffn_fn, block.hc_ffn_base, block.hc_ffn_scale,
-                           cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+    post, comb, x = mix_pre(streams, block.hc_ffn_fn, block.hc_ffn_base, block.hc_ffn_scale, cfg)
     streams = hc_post(block.ffn(block.ffn_norm(x), ids), streams, post, comb)
     return streams, aux.indexer_kl
 
@@ -67,7 +72,8 @@ def head_logits(model: torch.nn.Module, streams: torch.Tensor, owner: torch.nn.M
     """hc_head collapse (with `owner`'s hc_head parameters, default the model's), `norm`,
     shared LM head -> float32 logits [T, V] (`compute_logits` without no_grad)."""
     cfg, owner = model.cfg, owner if owner is not None else model
-    x = hc_head(streams, owner.hc_head_fn, owner.hc_head_base, owner.hc_head_scale, cfg.hc_eps, cfg.rms_norm_eps)
+    with torch.autocast(streams.device.type, enabled=False):
+        x = hc_head(streams, owner.hc_head_fn, owner.hc_head_base, owner.hc_head_scale, cfg.hc_eps, cfg.rms_norm_eps)
     return model.head((norm if norm is not None else model.norm)(x)).float()
 
 

@@ -34,7 +34,8 @@ def export_model(model: DeepseekV4Model, cfg: DeepseekV4Config, tokenizer_dir: s
     """The model + MTP stage, quantized, with the tokenizer files; returns out_dir."""
     bf16 = DeepseekV4Model(cfg, torch.bfloat16)
     bf16.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
-    save_checkpoint(bf16, out_dir, quantize=True, copy_tokenizer=False)
+    # shards of <= 12 MiB: small enough for any file-size limit on the way (and to diff)
+    save_checkpoint(bf16, out_dir, quantize=True, max_shard_bytes=12 << 20, copy_tokenizer=False)
     for name in TOKENIZER_FILES:
         src = os.path.join(tokenizer_dir, name)
         if os.path.exists(src):

@@ -33,7 +33,7 @@ class TrainSettings:
 
     seq_len: int = 1024
     batch_size: int = 32
-    lr: float = 3e-3
+    lr: float = 2e-3
     dspark_lr: float = 2e-3
     min_lr_frac: float = 0.05
     warmup_steps: int = 100
