@@ -69,6 +69,7 @@ OPS: dict[str, str] = {
     "attention": "invariant_attention.attend(...) signature; one fixed key order per query",
     "moe": "(moe module, x [T, D], input_ids [T]) -> [T, D]; fixed per-token combine order",
     "row_sum": "(x [..., D], square: bool) -> float32 [...]; sum over D (of squares) in an order fixed by D",
+    "row_cumsum": "(x [R, V]) -> float32 [R, V]; prefix sums of each row in an order fixed by V",
 }
 
 #: op -> (module of deepinfer_kernels, function): the Triton kernels of the mode.
@@ -78,6 +79,7 @@ BUILTIN_KERNELS: dict[str, tuple[str, str]] = {
     "attention": ("batch_invariant_attention", "attention"),
     "moe": ("batch_invariant_moe", "moe"),
     "row_sum": ("batch_invariant_row_sum", "row_sum"),
+    "row_cumsum": ("batch_invariant_cumsum", "row_cumsum"),
 }
 
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("deepinfer_batch_invariant", default=False)

@@ -104,8 +104,34 @@ def test_row_sum_and_norms(gen: torch.Generator, kernels: dict, dtype: torch.dty
     with batch_invariant_mode(True):
         assert_close(norm(x), ref, dtype)
         assert_row_invariant(norm, lambda m: (dev(randn(gen, m, 512, dtype=dtype)),), sizes=[1, 3, 64], targets=1)
-        assert_row_invariant(lambda t: unweighted_rms_norm(t, 1e-6), lambda m: (dev(randn(gen, m, 4, 64, dtype=dtype)),),
-                             sizes=[1, 5, 40], targets=1)
+        assert_row_invariant(lambda t: unweighted_rms_norm(t, 1e-6),
+                             lambda m: (dev(randn(gen, m, 4, 64, dtype=dtype)),), sizes=[1, 5, 40], targets=1)
+
+
+def test_row_cumsum_and_top_p_sampler(gen: torch.Generator, kernels: dict) -> None:
+    from deepinfer_kernels.batch_invariant_cumsum import row_cumsum_ref
+
+    from deepinfer.engine.sampler import Sampler, SamplingTensors
+    from deepinfer.sampling_params import SamplingParams
+
+    for v in (5, 512, 3000):  # 3000 > one 2048-wide piece
+        x = dev(torch.rand(6, v, generator=gen))
+        assert_close(kernels["row_cumsum"](x), row_cumsum_ref(x), torch.float32)
+    vocab, sampler = 700, Sampler()
+    kinds = [SamplingParams(temperature=0.9, top_p=0.8, seq_seed=3), SamplingParams(temperature=0.0),
+             SamplingParams(temperature=1.0, top_p=0.95, top_k=40, seq_seed=9)]
+
+    def run(logits: torch.Tensor, kind: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        params = SamplingTensors.from_params([kinds[int(k)] for k in kind], [7] * len(kind), DEVICE)
+        out = sampler.sample(logits, params)
+        return out.token_ids, out.logprobs, sampler.process_logits(logits.float(), params)
+
+    def rows(m: int) -> tuple[torch.Tensor, torch.Tensor]:  # the target row is a top-p row
+        kind = torch.where(torch.arange(m) == 0, 0, torch.randint(0, 3, (m,), generator=gen))
+        return dev(randn(gen, m, vocab, scale=3.0)), kind
+
+    with batch_invariant_mode(True):
+        assert_row_invariant(run, rows, sizes=[1, 2, 9, 64], targets=2)
 
 
 W, RATIO = 16, 4
@@ -173,6 +199,7 @@ def test_no_kernels_off_mode(gen: torch.Generator, kernels: dict) -> None:
     assert torch.equal(invariant_ops.linear(x, w), torch.nn.functional.linear(x, w))
     assert torch.equal(invariant_ops.mean_square(x), x.float().pow(2).mean(-1, keepdim=True))
     assert torch.equal(invariant_ops.row_sum(x), x.sum(-1))
+    assert torch.equal(invariant_ops.row_cumsum(x), x.cumsum(-1))
 
 
 def test_model_through_kernels(tmp_path, fresh_seed: int, kernels: dict) -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.engine import rng
+from deepinfer.models.invariant_ops import row_cumsum
 from deepinfer.sampling_params import SamplingParams
 
 __all__ = ["SamplingTensors", "SamplerOutput", "Sampler"]
@@ -144,7 +145,7 @@ class Sampler:
                 sorted_z = sorted_z.masked_fill(~keep_sorted, neg_inf)
             if params.any_top_p:
                 probs = torch.softmax(sorted_z, dim=-1)
-                mass_before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))
+                mass_before = torch.nn.functional.pad(row_cumsum(probs)[:, :-1], (1, 0))  # fixed order in the mode
                 top_p = params.top_p.unsqueeze(1)
                 keep_sorted = keep_sorted & ((mass_before < top_p) | (top_p >= 1.0))
             keep = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)

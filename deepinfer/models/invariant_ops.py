@@ -35,9 +35,11 @@ On CUDA two more families vary with the batch and get dispatchers here: torch's
 reductions over the last dim choose their thread layout from the number of rows too
 (fewer than 16 rows: up to 512 lanes per row; 16 or more: 32), which moves the bits
 of RMSNorm's mean of squares -> :func:`mean_square` / :func:`row_sum` (the "row_sum"
-kernel); and batched matmuls pick their cuBLAS kernel from the batch count ->
-:func:`stream_mix` / :func:`collapse_streams` (mHC's per-token 4-stream products as
-explicit float32 sums in a fixed order, any device).
+kernel), and so does ``cumsum`` (CUB for one row, a tree sized by the row count for
+more) -> :func:`row_cumsum` (the sampler's top-p); and batched matmuls pick their
+cuBLAS kernel from the batch count -> :func:`stream_mix` / :func:`collapse_streams`
+(mHC's per-token 4-stream products as explicit float32 sums in a fixed order, any
+device).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import torch.nn.functional as F
 from deepinfer import batch_invariant as bi
 
 __all__ = ["linear", "tiled_linear", "matmul_nt", "grouped_linear", "sigmoid", "silu", "softplus", "pad_rows",
-           "row_sum", "mean_square", "stream_mix", "collapse_streams"]
+           "row_sum", "mean_square", "row_cumsum", "stream_mix", "collapse_streams"]
 
 
 def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -149,6 +151,14 @@ def mean_square(x: torch.Tensor) -> torch.Tensor:
     if kernel is None:
         return x.float().pow(2).mean(-1, keepdim=True)
     return kernel(x, True).unsqueeze(-1) / x.shape[-1]
+
+
+def row_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """``x.cumsum(dim=-1)`` of a float32 [R, V] (the sampler's top-p mass); in the mode,
+    with a "row_cumsum" kernel for the device, each row scanned in an order fixed by V
+    (CUDA's own scan depends on the number of rows)."""
+    kernel = bi.get_kernel("row_cumsum", x.device.type) if bi.enabled() else None
+    return x.cumsum(dim=-1) if kernel is None else kernel(x)
 
 
 def stream_mix(a: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
