@@ -4,7 +4,8 @@ profiler timeline. Every builder returns a ``go.Figure`` (or a ``go.FigureWidget
 
 * Prefill chart: ms per prefill step (y) vs non-cached input tokens/s per device (x).
 * Decode chart: tokens/s per user (y) vs tokens/s per device (x), both with the
-  effective tokens per step; pick a per-user target first, then read throughput there.
+  effective tokens per step (accepted drafts + 1 with speculative decoding, named in the
+  title); pick a per-user target first, then read throughput there.
 * Timeline: ``go.Bar`` with ``base`` and ``orientation="h"`` (``px.timeline`` assumes
   datetimes and mangles microseconds), one trace per phase kind, lanes on the y axis.
 """
@@ -59,6 +60,10 @@ def decode_chart(df: pd.DataFrame, widget: bool = False) -> go.Figure:
         hovertemplate=("%{x:.1f} tok/s/device<br>%{y:.1f} tok/s/user<br>%{text}<br>"
                        "%{customdata[0]:.2f} tokens/step, %{customdata[1]:.1f} ms/step<extra></extra>")))
     eff_txt = f"{eff.mean():.2f}" if len(eff) else "n/a"
+    if len(d) and "spec_num_speculative_tokens" in d and d["spec_num_speculative_tokens"].notna().any():
+        first = d[d["spec_num_speculative_tokens"].notna()].iloc[0]
+        mode = "scheduled" if bool(first.get("spec_varlen", False)) else "fixed"
+        eff_txt += f", speculative {first['spec_method']} k={int(first['spec_num_speculative_tokens'])} {mode}"
     fig.update_layout(title=(f"Decode: tok/s per user vs tok/s per device (effective tokens/step {eff_txt})"
                              f"<br><sub>{_subtitle(d)}</sub>"),
                       xaxis_title="tokens/s per device", yaxis_title="tokens/s per user",

@@ -14,7 +14,9 @@ clocks from ``llm.metrics`` with the torch profiler off:
 * ``decode`` (per batch size B = ``max_num_seqs``): B requests generating together;
   steady state = steps where all B decode and nothing prefills, after ``warmup_steps``.
   Reports tokens/s per user and per device, using the measured effective tokens per step
-  (1 today; more once speculative decoding lands).
+  (REFERENCE.md section 4): tokens emitted per request per step, i.e. accepted drafts + 1
+  with speculative decoding (whose acceptance, mean accepted length and verify rows per
+  step sit beside them in ``spec_*`` columns), 1 without.
 * ``workload`` (per concurrency C = ``max_num_seqs``): the workload's requests with their
   own prompt/output lengths, all submitted at once so at most C run (a closed loop);
   reports TTFT / TPOT / ITL percentiles and throughput.
@@ -139,10 +141,15 @@ def measure_decode(llm: LLM, workload: Sequence[WorkloadRequest], batch: int, sp
     """One decode point: ``batch`` requests decoding together (``max_num_seqs=batch``)."""
     set_batch_limits(llm, max_num_seqs=batch)
     budget = llm.config.max_num_batched_tokens
+    drafts = llm.runner.spec
+    per_step = 1 + (drafts.k if drafts is not None else 0)  # most tokens a request emits per step
     base = scale_workload(workload, batch, max_len=llm.config.max_model_len // 2)
     stagger = -(-sum(r.prompt_len for r in base) // budget) + 2
-    out_len = spec.warmup_steps + spec.measure_steps + stagger
+    steps_needed = spec.warmup_steps + spec.measure_steps + stagger
+    out_len = min(steps_needed * per_step, llm.config.max_model_len // 2)
     reqs = [WorkloadRequest(min(r.prompt_len, llm.config.max_model_len - out_len - 1), out_len) for r in base]
+    if drafts is not None:
+        drafts.metrics.reset()
     steps = _run(llm, reqs, seed)
     win = _window(steps, (steps["prefill_tokens"] == 0) & (steps["num_decode_reqs"] == batch), spec)
     row = _base_row(llm, "decode")
@@ -152,6 +159,12 @@ def measure_decode(llm: LLM, workload: Sequence[WorkloadRequest], batch: int, sp
     row.update(batch_size=batch, prompt_len=prompt, steps_measured=len(win), decode_step_ms=step_s * 1e3,
                context_len=prompt + stagger + spec.warmup_steps + spec.measure_steps / 2,
                effective_tokens_per_step=eff, tok_s_per_user=eff / step_s, tok_s_per_device=batch * eff / step_s)
+    if drafts is not None:  # over the whole point (warm-up included): acceptance is per draft, not per step
+        m = drafts.metrics
+        row.update(spec_method=type(drafts.drafter).__name__, spec_num_speculative_tokens=drafts.k,
+                   spec_varlen=drafts.varlen, spec_mean_accepted_length=m.mean_accepted_length,
+                   spec_verify_tokens_per_step=m.verify_tokens_per_step,
+                   spec_acceptance_per_position=json.dumps([round(a, 4) for a in m.acceptance_per_position()]))
     return row
 
 
