@@ -1,10 +1,10 @@
 """End to end, batch-invariant mode on CPU: a seeded sampled request gives bitwise the same
 tokens and log-probs whatever traffic shares its steps (batch sizes 1..64, different
-prompt lengths, chunked prefill through a small token budget, prefix-cache hits).
+prompt lengths, chunked prefill through a small token budget, prefix-cache hits), with
+the synchronous loop and with async scheduling (step N+1 scheduled while step N runs).
 
-Async scheduling is not implemented yet (EngineConfig rejects it), so it is not covered.
-Run ``python tests/test_batch_invariance_e2e.py [--off] [--dtype bfloat16]`` to print the
-unique-output counts, e.g. with the mode off.
+Run ``python tests/test_batch_invariance_e2e.py [--off] [--dtype bfloat16] [--async]`` to
+print the unique-output counts, e.g. with the mode off.
 """
 
 from __future__ import annotations
@@ -59,10 +59,12 @@ def run_mixed(llm: LLM, n_target: int, others: list[tuple[list[int], SamplingPar
     return [(tuple(o.token_ids), tuple(o.logprobs or ())) for o in mine]
 
 
-def make_llm(path: str, invariant: bool, dtype: str = "float32") -> LLM:
+def make_llm(path: str, invariant: bool, dtype: str = "float32", async_scheduling: bool = False) -> LLM:
     """Small token budget so prompts are split into chunks that depend on the traffic."""
-    return LLM(path, dtype=dtype, batch_invariant=invariant, max_model_len=512, max_num_batched_tokens=80,
-               max_num_seqs=128)
+    llm = LLM(path, dtype=dtype, batch_invariant=invariant, max_model_len=512, max_num_batched_tokens=80,
+              max_num_seqs=128, async_scheduling=async_scheduling)
+    assert (llm.async_loop is not None) == async_scheduling
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +74,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-def check(path: str, invariant: bool, dtype: str = "float32") -> dict[str, int]:
+def check(path: str, invariant: bool, dtype: str = "float32", async_scheduling: bool = False) -> dict[str, int]:
     """Run both scenarios; return the number of unique (tokens, logprobs) in each."""
-    llm = make_llm(path, invariant, dtype)
+    llm = make_llm(path, invariant, dtype, async_scheduling)
     assert llm.runner.batch_invariant is invariant
     cached: list[int] = []
     alone = run_mixed(llm, 1, [], seed=0, cached=cached)  # cold cache: computed from scratch
@@ -92,6 +94,19 @@ def test_seeded_request_is_batch_invariant_fp32(checkpoint: str) -> None:
     assert counts == {"alone_vs_batches": 1, "mixed_64x2": 1, "all": 1, "tokens_only": 1}, counts
 
 
+def test_seeded_request_is_batch_invariant_async(checkpoint: str) -> None:
+    """64 copies among varied traffic (chunked prefill, prefix hits) with async scheduling:
+    one unique output, and the same bits as the synchronous loop gives the request alone."""
+    sync_alone = run_mixed(make_llm(checkpoint, True), 1, [], seed=0)
+    llm = make_llm(checkpoint, True, async_scheduling=True)
+    cached: list[int] = []
+    alone = run_mixed(llm, 1, [], seed=0, cached=cached)
+    others = traffic(40, seed=99)
+    mixed = run_mixed(llm, 64, others, seed=1, cached=cached) + run_mixed(llm, 64, others, seed=2, cached=cached)
+    assert len(mixed) == 128 and max(cached) >= 128, "the scenario must include prefix hits"
+    assert len(set(sync_alone + alone + mixed)) == 1
+
+
 def test_seeded_request_is_batch_invariant_bf16(checkpoint: str) -> None:
     llm = make_llm(checkpoint, True, "bfloat16")
     alone = run_mixed(llm, 1, [], seed=0)
@@ -105,4 +120,5 @@ if __name__ == "__main__":  # manual report, e.g. --off to see the mode's effect
     path = tempfile.mkdtemp()
     write_tiny_checkpoint(path, seed=3, cfg=tiny_config(vocab_size=VOCAB, sliding_window=32))
     dtype = sys.argv[sys.argv.index("--dtype") + 1] if "--dtype" in sys.argv else "float32"
-    print(dtype, "batch_invariant=", "--off" not in sys.argv, check(path, "--off" not in sys.argv, dtype))
+    print(dtype, "batch_invariant=", "--off" not in sys.argv, "async=", "--async" in sys.argv,
+          check(path, "--off" not in sys.argv, dtype, "--async" in sys.argv))
