@@ -166,7 +166,11 @@ def test_checkpoint_round_trip_quantized(tmp_path, fresh_seed):
     assert loaded.cfg.fp8_block == (32, 32)
     assert loaded.layers[0].attn.wq_b.quantized.block == (32, 32)
     params = dict(model.named_parameters())
-    for name, got in loaded.named_parameters():
+    loaded_params = dict(loaded.named_parameters())  # + the Linears that keep only checkpoint bytes
+    loaded_params.update({f"{n}.weight": m.dense_weight() for n, m in loaded.named_modules()
+                          if getattr(m, "quantized", None) is not None})
+    assert set(loaded_params) == set(params)
+    for name, got in loaded_params.items():
         bound = got.abs().max() / 2 if name.endswith(tuple(f"w{i}.weight" for i in (1, 2, 3))) and ".experts." in name \
             else got.abs() / 8 + 1e-3
         assert ((got - params[name]).abs() <= bound).all(), name

@@ -2,9 +2,11 @@
 
 Reads config.json and sharded safetensors (model.safetensors.index.json, or a single
 model.safetensors) memory-mapped, maps official names (optionally `model.`-prefixed)
-onto the model's parameters, dequantizes FP8 block-scaled and FP4 expert weights for
-the reference path while keeping the raw bytes on `Linear.quantized` for kernels, and
-fails with the tensor or field named on anything missing, misshapen or unknown.
+onto the model's parameters and fails with the tensor or field named on anything
+missing, misshapen or unknown. Quantized Linears (FP8 block-scaled, FP4 experts) keep
+ONE representation: the checkpoint bytes on `Linear.quantized` where something computes
+from them (the FP8 GEMM on CUDA; per-call dequantization elsewhere), or the dense
+dequantized weight (FP4 experts on CUDA, which no FP4 kernel consumes yet).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .config_v41 import read_model_config
 from .deepseek_v4 import DeepseekV4Model
 from .deepseek_v41 import build_model
 from .linear import Linear, QuantizedWeight
-from .quant import dequantize_fp4, dequantize_fp8_block, infer_block_size
+from .quant import infer_block_size
 
 
 
@@ -70,8 +72,13 @@ def iter_tensors(path: str, show_progress: bool = False) -> Iterator[tuple[str, 
                 yield name, f.get_tensor(name)
 
 
-def _dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, QuantizedWeight | None]:
+def read_checkpoint(path: str, show_progress: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint by official name (`model.` prefix stripped)."""
+    return {strip_prefix(name): tensor for name, tensor in iter_tensors(path, show_progress)}
+
+
+def _parse_quantized(name: str, weight: torch.Tensor, scale: torch.Tensor | None) -> QuantizedWeight | None:
+    """The checkpoint bytes of an FP8 / FP4 weight (validated), or None for a dense tensor."""
     if weight.dtype == torch.float8_e4m3fn:
         if scale is None:
             raise CheckpointError(f"FP8 tensor {name} has no companion {name[:-len('weight')]}scale")
@@ -80,35 +87,76 @@ def _dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor | None, dty
                 block = (1, 32)
             else:
                 block = infer_block_size(tuple(weight.shape), tuple(scale.shape))
-            dense = dequantize_fp8_block(weight, scale, block, dtype=torch.float32).to(dtype)
         except ValueError as exc:
             raise CheckpointError(f"{name}: {exc}") from exc
-        return dense, QuantizedWeight("fp8", weight, scale, block)
+        return QuantizedWeight("fp8", weight, scale, block)
     if weight.dtype == torch.int8 and name.endswith(".weight"):
         if scale is None:
             raise CheckpointError(f"FP4 tensor {name} has no companion {name[:-len('weight')]}scale")
         expected = (weight.shape[0], weight.shape[1] * 2 // 32)
         if tuple(scale.shape) != expected:
             raise CheckpointError(f"{name}: FP4 scale shape {tuple(scale.shape)} != expected {expected}")
-        dense = dequantize_fp4(weight, scale, 32, dtype=torch.float32).to(dtype)
-        return dense, QuantizedWeight("fp4", weight, scale, (1, 32))
-    return weight, None
+        return QuantizedWeight("fp4", weight, scale, (1, 32))
+    return None
 
 
-def load_weights(model: DeepseekV4Model, path: str, strict: bool = True, show_progress: bool = False) -> dict:
-    """Copy every checkpoint tensor into `model`. Returns the tensors kept aside
-    (MTP stages the config does not ask for). Raises CheckpointError naming any missing / unexpected / misshapen tensor."""
+def _logical_shape(q: QuantizedWeight) -> tuple[int, ...]:
+    shape = tuple(q.data.shape)
+    return shape if q.fmt == "fp8" else (*shape[:-1], 2 * shape[-1])
+
+
+def keeps_bytes_only(fmt: str, device: torch.device | str) -> bool:
+    """Whether a quantized Linear keeps only its checkpoint bytes (no dense copy) there:
+    FP8 always (the FP8 GEMM reads them on CUDA, other devices dequantize per call); FP4
+    everywhere but CUDA, where no FP4 kernel exists yet and the dense weight is kept."""
+    return fmt == "fp8" or torch.device(device).type != "cuda"
+
+
+def _quantized_weight_names(raw: dict[str, torch.Tensor]) -> dict[str, str]:
+    """name -> 'fp8' | 'fp4' for the quantized weights of a checkpoint (by dtype)."""
+    out = {}
+    for name, t in raw.items():
+        if name.endswith(".weight") and name[: -len("weight")] + "scale" in raw:
+            if t.dtype == torch.float8_e4m3fn:
+                out[name] = "fp8"
+            elif t.dtype == torch.int8:
+                out[name] = "fp4"
+    return out
+
+
+def drop_dense_weights(model: torch.nn.Module, raw: dict[str, torch.Tensor], device: torch.device | str) -> int:
+    """Before the model is materialised: remove the dense weight of every Linear that will
+    keep only its checkpoint bytes on ``device``, so it is never allocated. Returns how many."""
+    owners = dict(model.named_modules())
+    dropped = 0
+    for name, fmt in _quantized_weight_names(raw).items():
+        owner = owners.get(name.rsplit(".", 1)[0])
+        if isinstance(owner, Linear) and owner._parameters.get("weight") is not None and keeps_bytes_only(fmt, device):
+            owner.weight = None
+            dropped += 1
+    return dropped
+
+
+def load_weights(model: DeepseekV4Model, path: str, strict: bool = True, show_progress: bool = False,
+                 raw: dict[str, torch.Tensor] | None = None) -> dict:
+    """Copy every checkpoint tensor into `model` (``raw``: the tensors, if already read).
+    Quantized Linears keep only their bytes where :func:`keeps_bytes_only` says so (a dense
+    weight still present is dropped), others get the dequantized weight. Returns the tensors
+    kept aside (MTP stages the config does not ask for). Raises CheckpointError naming any
+    missing / unexpected / misshapen tensor."""
+    if raw is None:
+        raw = read_checkpoint(path, show_progress)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
+    device = next(iter(params.values())).device
     owners = {name: mod for name, mod in model.named_modules()}
-    raw: dict[str, torch.Tensor] = {}
-    for name, tensor in iter_tensors(path, show_progress):
-        raw[strip_prefix(name)] = tensor
+    bytes_only = {f"{n}.weight" for n, m in owners.items()
+                  if isinstance(m, Linear) and "weight" in m._parameters and m._parameters["weight"] is None}
     loaded, extra = set(), {}
     for name, tensor in raw.items():
         if name.endswith(".scale") and name[: -len("scale")] + "weight" in raw:
             continue  # consumed with its weight
-        if name not in params:
+        if name not in params and name not in bytes_only:
             if name.startswith(getattr(model, "ignored_prefixes", ())):  # e.g. V4.1's vision tower
                 extra[name] = tensor
                 continue
@@ -118,27 +166,45 @@ def load_weights(model: DeepseekV4Model, path: str, strict: bool = True, show_pr
             if strict:
                 raise CheckpointError(f"unexpected tensor {name!r} in checkpoint (not part of the configured model)")
             continue
-        target = params[name]
         scale = raw.get(name[: -len("weight")] + "scale") if name.endswith(".weight") else None
-        dense, quantized = _dequantize(name, tensor, scale, target.dtype)
-        if tuple(dense.shape) != tuple(target.shape):
-            raise CheckpointError(
-                f"tensor {name!r} has shape {tuple(dense.shape)} in the checkpoint but the config implies "
-                f"{tuple(target.shape)}"
-            )
-        with torch.no_grad():
-            target.copy_(dense.to(target.dtype))
+        quantized = _parse_quantized(name, tensor, scale)
         owner = owners.get(name.rsplit(".", 1)[0])
-        if quantized is not None and isinstance(owner, Linear):
-            if quantized.fmt == "fp8":  # the FP8 GEMM reads these bytes where the weight lives
-                quantized.data, quantized.scale = quantized.data.to(target.device), quantized.scale.to(target.device)
-            owner.quantized = quantized
+        if isinstance(owner, Linear) and quantized is not None and (
+                name in bytes_only or keeps_bytes_only(quantized.fmt, device)):
+            want = (owner.out_features, owner.in_features)
+            if _logical_shape(quantized) != want:
+                raise CheckpointError(f"tensor {name!r} has shape {_logical_shape(quantized)} in the checkpoint but "
+                                      f"the config implies {want}")
+            owner.quantized = QuantizedWeight(quantized.fmt, quantized.data.to(device), quantized.scale.to(device),
+                                              quantized.block)
+            if owner._parameters.get("weight") is not None:
+                owner.weight = None  # loaded into a materialised model: free its dense copy
+        else:
+            if name in bytes_only:
+                raise CheckpointError(f"tensor {name!r} is not quantized in the checkpoint")
+            target = params[name]
+            dense = quantized.dequantize(target.dtype) if quantized is not None else tensor
+            if tuple(dense.shape) != tuple(target.shape):
+                raise CheckpointError(
+                    f"tensor {name!r} has shape {tuple(dense.shape)} in the checkpoint but the config implies "
+                    f"{tuple(target.shape)}"
+                )
+            with torch.no_grad():
+                target.copy_(dense.to(target.dtype))
         loaded.add(name)
-    missing = [n for n in params if n not in loaded]
+    missing = [n for n in [*params, *sorted(bytes_only)] if n not in loaded]
     if missing:
         shown = ", ".join(missing[:8]) + (f" ... (+{len(missing) - 8} more)" if len(missing) > 8 else "")
         raise CheckpointError(f"checkpoint at {path!r} is missing {len(missing)} tensor(s): {shown}")
     return extra
+
+
+def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes the model's weights take: dense parameters + buffers, and checkpoint bytes
+    (+ scales) held by quantized Linears."""
+    dense = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    quantized = sum(m.quantized.nbytes() for m in model.modules() if isinstance(m, Linear) and m.quantized is not None)
+    return {"dense": dense, "quantized": quantized, "total": dense + quantized}
 
 
 def parse_dtype(dtype: str | torch.dtype, cfg: DeepseekV4Config) -> torch.dtype:
@@ -158,10 +224,12 @@ def load_model(model_dir: str | None = None, dtype: str | torch.dtype = "auto", 
     path = resolve_model_dir(model_dir)
     cfg = read_model_config(path)
     torch_dtype = parse_dtype(dtype, cfg)
+    raw = read_checkpoint(path, show_progress)
     with torch.device("meta"):
         model = build_model(cfg, torch_dtype)
+    drop_dense_weights(model, raw, device)  # never allocate what only the checkpoint bytes will hold
     model = model.to_empty(device=device)
-    model.extra_tensors = load_weights(model, path, show_progress=show_progress)
+    model.extra_tensors = load_weights(model, path, raw=raw)
     if hasattr(model, "bind_engram_tokenizer"):
         try:
             model.bind_engram_tokenizer(path)
