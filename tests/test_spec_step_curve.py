@@ -81,3 +81,29 @@ def test_engine_verify_steps_feed_the_running_medians(profiled):
     seen = {g: len(v) for g, v in curve.obs.items()}
     assert sum(seen.values()) >= 5 and set(seen) <= set(curve.base.tokens)
     assert len(curve.ratios) == sum(seen.values())
+
+
+def test_profiling_script_writes_a_curve_this_engine_finds(tmp_path):
+    """profiling/spec_step_curve.py (CPU smoke mode) -> JSON -> found again by hardware and model."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    from deepinfer.spec.step_curve import hardware_key, model_signature
+
+    script = Path(__file__).resolve().parents[1] / "profiling" / "spec_step_curve.py"
+    spec = importlib.util.spec_from_file_location("spec_step_curve_script", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = Path(mod.main(["--smoke", "--batches", "1,2", "--max-verify", "2", "--steps", "1", "--out", str(tmp_path)]))
+    data = json.loads(out.read_text())
+    assert data["complete"] and data["greedy_spec_equals_off"] == "4/4"
+    assert [(r["batch"], r["verify_per_request"], r["rows"]) for r in data["rows"]] == [(1, 1, 1), (1, 2, 2),
+                                                                                        (2, 1, 2), (2, 2, 4)]
+    assert all(r["step_ms"] > 0 and 0 <= r["hbm_frac"] < 1 for r in data["rows"])
+    sig = model_signature(tiny_config(vocab_size=VOCAB, sliding_window=32), torch.float32)
+    assert find_measured_curve(hardware_key(torch.device("cpu")), sig, tmp_path) is None  # smoke files are skipped
+    out.rename(tmp_path / "spec_step_curve_cpu_tiny.json")
+    found = find_measured_curve(hardware_key(torch.device("cpu")), sig, tmp_path)
+    assert found is not None and found[0].tokens == [1, 2, 4]
