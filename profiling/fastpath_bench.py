@@ -1,51 +1,120 @@
-"""GPU fast path (deepinfer/models/fast) vs the reference path on `mini` (REFERENCE.md
-section 5, bf16, random weights), in one process on one LLM (the runner's fast path is
-switched per phase: reference = ``runner.fast = None``; eager = graphs off).
+"""The GPU fast path vs the reference path and HF transformers, in one GPU call.
 
-    python profiling/fastpath_bench.py [--out DIR]
+    PYTHONPATH=. python3 profiling/fastpath_bench.py [--sizes mini,flash4] [--out DIR] [--budget-s 450]
+    python profiling/fastpath_bench.py --tiny          # CPU: tiny shapes, torch references (tests)
 
-(a) correctness: a mixed batch (prompt lengths 1..600, greedy, 16 tokens) through the
-    reference path and through the fast path with CUDA graphs; per-step float32 logits
-    of the sampled rows compared (relative Frobenius error, steps where both runs fed the
-    same tokens) and greedy token agreement;
-(b) decode speed at batch 1 / 16 / 64 (32-token prompts, 24 new tokens): fast eager and
-    fast + CUDA graphs (reference timed at batch 1 only; batch 16 / 64 from
-    profiling/results/reference_path_gpu_h200.json: ~1.4 s per step), tok/s, ms/step,
-    GB/s of the active weight bytes against 4.2 TB/s, and the ratio to HF transformers
-    eager generate() (REFERENCE.md section 5: 20 tok/s batch 1, ~315 batch 16, ~1,300 batch 64);
-(c) JSON under --out (fastpath_bench.json).
+For each size (``mini`` = REFERENCE.md section 5, 1.17B params; ``flash4`` = V4-Flash
+widths, 4 layers, 27.4B params), a random bf16 model is built directly on the GPU (no
+checkpoint on disk) and served by the engine:
+
+1. correctness (``mini``; ``flash4`` the engine part only): a mixed batch through the
+   reference path, the fast path eager and the fast path with CUDA graphs (per-step
+   logits rel err on rows with equal history, greedy agreement), then the teacher-forced
+   per-layer study of profiling/fastpath_layers.py (float32 truth vs bf16 reference vs bf16
+   fast path over their own caches) with its verdict;
+2. decode at batch 1 / 16 / 64 / 256 (32-token prompts, graphs) and prefill of 2k and 8k
+   tokens (one request, the engine's prefill path), with GB/s and TFLOP/s against the
+   ceilings (profiling/fastpath_roofline.py) and the kernels of one graphed decode step
+   (torch profiler: launches per step, top kernels by GPU time);
+3. HF transformers' eager generate() on the same config in the same run (model freed
+   first), and our ratio to it.
+
+Every phase is guarded by the time budget and writes ``fastpath_bench.json`` (commit,
+hardware, configs, results) under --out as it goes; a short table is printed last.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 
-import torch
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reference_path_gpu import HBM_GBPS, commit, mini_config  # noqa: E402
+import torch  # noqa: E402
+
+from fastpath_roofline import ModelCosts, roofline  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
-from deepinfer.models.fast.runner import FastPath  # noqa: E402
-from deepinfer.models.tiny import write_tiny_checkpoint  # noqa: E402
-
-HF_TOK_S = {1: 20.0, 16: 315.0, 64: 1300.0}
-REF_TOK_S = {1: 11.8, 16: 32.2, 64: 45.7}  # reference_path_gpu_h200.json
+from deepinfer.models.tiny import init_random, mini_config, tiny_config  # noqa: E402
 
 
-def set_mode(llm, fast, mode: str) -> None:
-    llm.runner.fast = None if mode == "reference" else fast
-    if fast is not None:
-        fast.graphs_enabled = mode == "graphs"
+def flash4_config(**overrides):
+    """V4-Flash widths with 4 layers (HCA, HCA, CSA, HCA; 3 hash layers): 27.4B params."""
+    base = dict(hidden_size=4096, num_hidden_layers=4, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64,
+                q_lora_rank=1024, o_groups=8, o_lora_rank=1024, n_routed_experts=256, moe_intermediate_size=2048,
+                num_experts_per_tok=6, index_n_heads=64, index_head_dim=128, index_topk=512, sliding_window=128,
+                compress_ratios=[128, 128, 4, 128], num_hash_layers=3, torch_dtype="bfloat16")
+    base.update(overrides)
+    return tiny_config(**base)
 
 
-def record_logits(llm) -> list:
+def tiny_sizes() -> dict:
+    """CPU stand-ins with the same layer kinds (tests of this script)."""
+    small = dict(vocab_size=512, index_topk=4, sliding_window=32)
+    return {"mini": lambda: tiny_config(compress_ratios=[128, 4, 128, 4], num_hash_layers=2, **small),
+            "flash4": lambda: tiny_config(hidden_size=96, n_routed_experts=16, num_experts_per_tok=4, **small)}
+
+
+class PrebuiltLLM(LLM):
+    """The engine over a model built in memory: ``init_model`` runs as usual with the
+    checkpoint load replaced by the given model (flash4 would need 55 GB on disk)."""
+
+    def __init__(self, model: torch.nn.Module, config_dir: str, **kwargs: object) -> None:
+        self._prebuilt = model
+        super().__init__(config_dir, **kwargs)
+
+    def init_model(self) -> None:
+        import deepinfer.llm as llm_module
+
+        original = llm_module.load_model
+        llm_module.load_model = lambda *a, **k: self._prebuilt
+        try:
+            super().init_model()
+        finally:
+            llm_module.load_model = original
+
+
+def build(cfg, device: str, seed: int = 0) -> torch.nn.Module:
+    from deepinfer.models.deepseek_v41 import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg, torch.bfloat16)
+    model = model.to_empty(device=device)
+    init_random(model, seed, device=device)
+    return model.eval()
+
+
+def token_ids(seed: int, n: int, vocab: int) -> list[int]:
+    """A deterministic prompt of n ids inside the vocabulary (away from special ids 0-9)."""
+    return [(seed * 7919 + 31 * j) % (vocab - 20) + 10 for j in range(n)]
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=HERE).strip()
+    except Exception:
+        return "unknown"
+
+
+# ---------------------------------------------------------------------------- correctness
+def set_mode(llm, mode: str) -> None:
+    """reference: both fast paths off; eager / graphs: the fast paths on."""
+    runner = llm.runner
+    runner.fast, runner.fast_prefill = (None, None) if mode == "reference" else llm._fast_paths
+    if runner.fast is not None:
+        runner.fast.graphs_enabled = mode == "graphs"
+
+
+def generate_recording(llm, prompts, sp) -> tuple[list, list]:
     steps: list = []
     sample = llm.runner.sampler.sample
 
@@ -54,157 +123,270 @@ def record_logits(llm) -> list:
         return sample(logits, params)
 
     llm.runner.sampler.sample = wrapped
-    return steps
+    try:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    finally:
+        llm.runner.sampler.sample = sample
+    return [o.token_ids for o in outs], steps
 
 
 def compare(ra, rb) -> dict:
-    """Per-row float32 logits error on rows whose tokens so far agree in both runs, greedy
-    agreement, and the reference's margin (in logits std) where greedy first differs."""
+    """Per-row logits rel err on rows whose tokens so far agree, and greedy agreement."""
     (ta, la), (tb, lb) = ra, rb
-    errs, first_step, margins = [], [], []
+    errs = []
     for step, (a, b) in enumerate(zip(la, lb)):
         if a.shape != b.shape:
             break
-        for r in range(a.shape[0]):
-            if ta[r][:step] == tb[r][:step]:
-                e = float((a[r] - b[r]).norm() / a[r].norm())
-                errs.append(e)
-                if step == 1:
-                    first_step.append(e)
-                if step < len(ta[r]) and ta[r][step] != tb[r][step]:
-                    margins.append(float((a[r, ta[r][step]] - a[r, tb[r][step]]) / a[r].std()))
+        errs += [float((a[r] - b[r]).norm() / a[r].norm()) for r in range(a.shape[0]) if ta[r][:step] == tb[r][:step]]
     agree = sum(x == y for s, t in zip(ta, tb) for x, y in zip(s, t))
     return {"greedy_token_agreement": f"{agree}/{sum(len(s) for s in ta)}",
-            "first_divergence": [next((k for k, (x, y) in enumerate(zip(s, t)) if x != y), None) for s, t in zip(ta, tb)],
             "row_logits_rel_err_max": max(errs) if errs else None,
-            "row_logits_rel_err_mean": sum(errs) / len(errs) if errs else None,
-            "first_decode_step_rel_err_max": max(first_step) if first_step else None,
-            "divergence_margins_in_std": [round(m, 4) for m in margins], "rows_compared": len(errs)}
+            "row_logits_rel_err_mean": sum(errs) / len(errs) if errs else None, "rows_compared": len(errs)}
 
 
-def check(llm, fast, results: dict) -> None:
-    lens = (1, 17, 64, 130, 300, 600)
-    prompts = [[(11 * i + 5 * j) % 5000 + 10 for j in range(n)] for i, n in enumerate(lens)]
-    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+def check_engine(llm, new: int, lens: tuple) -> dict:
+    prompts = [token_ids(i, n, llm.model_config.vocab_size) for i, n in enumerate(lens)]
+    sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     runs = {}
     for mode in ("reference", "eager", "graphs"):
-        set_mode(llm, fast, mode)
-        prev = llm.runner.sampler.sample  # the async engine's hook, if any: chained, then restored
-        steps = record_logits(llm)
-        try:
-            outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
-        finally:
-            llm.runner.sampler.sample = prev
-        runs[mode] = ([o.token_ids for o in outs], steps)
-    results["check"] = {"prompt_lens": list(lens), "new_tokens": 16, "fast_stats": dict(fast.stats),
-                        "reference_vs_eager": compare(runs["reference"], runs["eager"]),
-                        "reference_vs_graphs": compare(runs["reference"], runs["graphs"]),
-                        "eager_vs_graphs": compare(runs["eager"], runs["graphs"])}
-    print("check:", json.dumps(results["check"]), flush=True)
+        set_mode(llm, mode)
+        runs[mode] = generate_recording(llm, prompts, sp)
+    return {"prompt_lens": list(lens), "new_tokens": new,
+            "reference_vs_eager": compare(runs["reference"], runs["eager"]),
+            "reference_vs_graphs": compare(runs["reference"], runs["graphs"]),
+            "eager_vs_graphs": compare(runs["eager"], runs["graphs"])}
 
 
-def breakdown(llm, fast, results: dict) -> None:
-    """Host wall time (synchronized) of the fast path's pieces over eager decode steps at batch 16."""
-    import deepinfer.models.fast.decode as dec
-    import deepinfer.models.fast.moe as fmoe
+def check_layers(model, steps: int, lens: tuple) -> dict:
+    from fastpath_layers import teacher_forced, verdict
 
-    acc: dict = {}
-
-    def timer(name, fn):
-        def wrapped(*a, **k):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            torch.cuda.synchronize()
-            acc[name] = acc.get(name, 0.0) + time.perf_counter() - t
-            return out
-        return wrapped
-
-    saved = (dec.attention_decode, dec.compressor_decode, fmoe.moe_forward, dict(vars(fast.ops)))
-    dec.attention_decode = timer("attention_decode", dec.attention_decode)
-    dec.compressor_decode = timer("compressor_decode", dec.compressor_decode)
-    fmoe.moe_forward = timer("moe_forward", fmoe.moe_forward)
-    for n in ("decode_attention", "indexer_topk", "router", "fused_moe"):
-        setattr(fast.ops, n, timer(n, getattr(fast.ops, n)))
-    set_mode(llm, fast, "eager")
-    try:
-        prompts = [[(7 * i + j) % 1000 + 10 for j in range(32)] for i in range(16)]
-        t = time.perf_counter()
-        llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=9,
-                     ignore_eos=True), use_tqdm=False)
-        acc["generate_total"] = time.perf_counter() - t
-    finally:
-        dec.attention_decode, dec.compressor_decode, fmoe.moe_forward = saved[:3]
-        vars(fast.ops).update(saved[3])
-    results["eager_breakdown_b16_8steps_s"] = {k: round(v, 4) for k, v in acc.items()}
-    print("breakdown:", json.dumps(results["eager_breakdown_b16_8steps_s"]), flush=True)
+    prompts = [token_ids(100 + i, n, model.cfg.vocab_size) for i, n in enumerate(lens)]
+    kind = "triton" if next(model.parameters()).is_cuda else "ref"
+    study = teacher_forced(model, prompts, steps, kind)
+    study["verdict"] = verdict(study)
+    return study
 
 
-def timed(llm, batch: int, new: int = 24) -> dict:
-    prompts = [[(7 * i + j) % 1000 + 10 for j in range(32)] for i in range(batch)]
+# ---------------------------------------------------------------------------- speed
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def decode_speed(llm, costs: ModelCosts, batch: int, new: int, prompt_len: int = 32) -> dict:
+    prompts = [token_ids(1000 + i, prompt_len, llm.model_config.vocab_size) for i in range(batch)]
     sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)  # warm up / capture
-    torch.cuda.synchronize()
+    llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)  # warm-up / graph capture
+    sync()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
-    torch.cuda.synchronize()
+    sync()
     wall = max(o.metrics.finished_time for o in outs) - max(o.metrics.first_token_time for o in outs)
-    return {"tok_s": batch * (new - 1) / wall, "step_ms": wall / (new - 1) * 1e3}
+    step_s = wall / (new - 1)
+    ctx = prompt_len + new // 2
+    return {"batch": batch, "tok_s": round(batch / step_s, 1), "step_ms": round(step_s * 1e3, 3),
+            **roofline(costs.decode_bytes(batch, ctx), costs.decode_flops(batch, ctx), step_s)}
 
 
-def bench(llm, fast, results: dict) -> None:
-    model, cfg = llm.model, llm.model.cfg
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
-    inactive = cfg.num_hidden_layers * (cfg.n_routed_experts - cfg.num_experts_per_tok) * expert
-    active_bytes = total - inactive - cfg.vocab_size * cfg.hidden_size * 2
-    results["active_weight_bytes_batch1"] = active_bytes
-    rows = []
-    for mode, batches in (("fast_graphs", (1, 16, 64)), ("fast_eager", (1, 16, 64)), ("reference", (1,))):
-        set_mode(llm, fast, {"reference": "reference", "fast_eager": "eager", "fast_graphs": "graphs"}[mode])
-        for b in batches:
-            try:
-                t = timed(llm, b)
-            except Exception:
-                rows.append({"mode": mode, "batch": b, "error": traceback.format_exc()[-2000:]})
-                print(rows[-1]["error"], flush=True)
-                continue
-            gbps = active_bytes / (t["step_ms"] / 1e3) / 1e9  # batch-1 active bytes (a lower bound at b > 1)
-            row = {"mode": mode, "batch": b, "tok_s": round(t["tok_s"], 1), "step_ms": round(t["step_ms"], 3),
-                   "gbps_active_weights": round(gbps, 1), "roofline_frac": round(gbps / HBM_GBPS, 4),
-                   "x_hf_transformers": round(t["tok_s"] / HF_TOK_S[b], 2),
-                   "x_reference": round(t["tok_s"] / REF_TOK_S[b], 1)}
-            rows.append(row)
-            results["decode"] = rows
-            print(json.dumps(row), flush=True)
-    results["decode"] = rows
-    results["fast_stats"] = dict(fast.stats)
+def prefill_speed(llm, costs: ModelCosts, tokens: int) -> dict:
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for seed in (1, 2):  # the first builds/compiles, the second is timed (different ids: no prefix hits)
+        prompt = [token_ids(5000 + seed, tokens, llm.model_config.vocab_size)]
+        sync()
+        t = time.perf_counter()
+        llm.generate(prompt_token_ids=prompt, sampling_params=sp, use_tqdm=False)
+        sync()
+        wall = time.perf_counter() - t
+    fp = llm.runner.fast_prefill
+    return {"tokens": tokens, "tok_s": round(tokens / wall, 1), "ms": round(wall * 1e3, 2),
+            "path": "fast_prefill" if fp is not None and fp.stats["prefill_steps"] else "reference",
+            **roofline(costs.prefill_bytes(tokens), costs.prefill_flops(tokens), wall)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "profiling/results"))
-    parser.add_argument("--breakdown", action="store_true", help="host time of the eager pieces (batch 16)")
-    args = parser.parse_args()
-    results = {"commit": commit(), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-               "hf_tok_s_reference_md": HF_TOK_S, "reference_tok_s_prior_run": REF_TOK_S}
-    path = tempfile.mkdtemp()
-    t0 = time.time()
-    write_tiny_checkpoint(path, seed=0, cfg=mini_config(), dtype=torch.bfloat16)
-    llm = LLM(path, dtype="bfloat16", max_model_len=4096, max_num_seqs=64, gpu_memory_utilization=0.5,
-              enable_prefix_caching=False)
-    fast = llm.runner.fast
-    results["setup_s"] = round(time.time() - t0, 1)
-    assert fast is not None and fast.ops.kind == "triton", f"fast path not selected on CUDA: {type(llm.runner).__name__} {FastPath.unavailable}"
+def kernel_profile(llm, batch: int, new: int = 6) -> dict:
+    """Kernels of graphed decode steps (CUDA only): launches per step and top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = [token_ids(9000 + i, 32, llm.model_config.vocab_size) for i in range(batch)]
+    sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    before = llm.runner.fast.stats["graph_steps"]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+        sync()
+    steps = max(1, llm.runner.fast.stats["graph_steps"] - before)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict = {}
+    for e in events:
+        t = by_name.setdefault(e.name, [0, 0.0])
+        t[0] += 1
+        t[1] += e.device_time
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
+    return {"batch": batch, "graph_steps": steps, "kernels_per_step_incl_prefill": round(len(events) / steps, 1),
+            "gpu_us_per_step_incl_prefill": round(sum(v[1] for v in by_name.values()) / steps, 1),
+            "top_kernels_us_per_step": {k[:80]: round(v[1] / steps, 1) for k, v in top}}
+
+
+# ---------------------------------------------------------------------------- driver
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.time() + seconds
+
+    def left(self) -> float:
+        return self.end - time.time()
+
+
+def phase(results: dict, key: str, budget: Budget, need_s: float, fn, *args):
+    """Run fn unless the budget is short; record its result or its error."""
+    if budget.left() < need_s:
+        results[key] = {"skipped": f"time budget ({budget.left():.0f}s left, needs ~{need_s:.0f}s)"}
+        return None
+    t = time.time()
+    try:
+        results[key] = fn(*args)
+    except Exception:
+        results[key] = {"error": traceback.format_exc()[-3000:]}
+        print(results[key]["error"], flush=True)
+    print(f"[{time.time() - t:6.1f}s] {key}: {json.dumps(results[key])[:400]}", flush=True)
+    return results[key]
+
+
+def run_size(name: str, cfg, args, out: dict, budget: Budget) -> None:
+    res = out.setdefault(name, {"config": cfg.to_official_json()})
+    device = "cpu" if args.tiny else "cuda"
+    t = time.time()
+    model = build(cfg, device)
+    res["build_s"] = round(time.time() - t, 1)
+    costs = ModelCosts.of(model)
+    res["dense_weight_bytes"], res["expert_bytes"] = costs.dense_bytes, costs.expert_bytes
+    cfg_dir = tempfile.mkdtemp(prefix=f"{name}_cfg_")
+    with open(os.path.join(cfg_dir, "config.json"), "w") as f:
+        json.dump(cfg.to_official_json(), f)
+    max_len = max(max(args.prefill), 300 + max(args.new_tokens, args.check_tokens)) + 64
+    llm = PrebuiltLLM(model, cfg_dir, dtype="bfloat16", max_model_len=max_len, max_num_seqs=max(args.batches),
+                      max_num_batched_tokens=max(max(args.prefill), 2048), enable_prefix_caching=False,
+                      kv_cache_memory_bytes=args.kv_gib << 30)
+    llm._fast_paths = (llm.runner.fast, llm.runner.fast_prefill)
+    res["fast_path"] = {"decode": llm.runner.fast is not None, "prefill": llm.runner.fast_prefill is not None,
+                        "ops": getattr(llm.runner.fast, "ops", None) and llm.runner.fast.ops.kind}
+    if llm.runner.fast is None:
+        raise RuntimeError(f"fast path not selected for {name}")
+    lens = (1, 17, 130, 300) if name == "mini" else (5, 140)
+    phase(res, "check_engine", budget, 20, check_engine, llm, args.check_tokens, lens)
+    if name == "mini" or args.tiny:
+        phase(res, "check_layers", budget, 20, check_layers, model, args.check_tokens, (5, 127, 300))
+    set_mode(llm, "graphs")
+    res["decode"] = []
+    for b in args.batches:
+        r = phase(res, f"decode_b{b}", budget, 15, decode_speed, llm, costs, b, args.new_tokens)
+        res["decode"].append(res.pop(f"decode_b{b}"))
+        if r is None:
+            break
+    res["prefill"] = []
+    for n in args.prefill:
+        phase(res, f"prefill_{n}", budget, 15, prefill_speed, llm, costs, n)
+        res["prefill"].append(res.pop(f"prefill_{n}"))
+    if not args.tiny:
+        phase(res, "kernel_profile_b16", budget, 15, kernel_profile, llm, 16)
+    release(llm)
+    del llm, model
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if not args.no_hf:
+        phase(res, "hf", budget, 40, run_hf, cfg, device, args)
+
+
+def release(llm) -> None:
+    """Free the engine's device memory even if something still refers to it (the HF model
+    of the same size is built next)."""
+    for fast in llm._fast_paths:
+        if fast is not None and hasattr(fast, "_graphs"):
+            fast._graphs.clear()
+    for p in llm.model.parameters():
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    for name, value in vars(llm.kv_cache).items():
+        if isinstance(value, dict):
+            value.clear()
+
+
+def run_hf(cfg, device: str, args) -> dict:
+    from fastpath_hf import build_hf, hf_decode, hf_prefill
+
+    model = build_hf(cfg, torch.bfloat16, device)
+    out = {"decode": [], "prefill": []}
+    try:
+        for b in args.batches:
+            out["decode"].append({"batch": b, **hf_decode(model, b, 32, args.hf_new_tokens, cfg.vocab_size)})
+        for n in args.prefill:
+            out["prefill"].append({"tokens": n, **hf_prefill(model, n, cfg.vocab_size)})
+    finally:
+        del model
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return out
+
+
+def table(out: dict) -> str:
+    lines = [f"{'size':7s} {'phase':8s} {'n':>5s} {'ours tok/s':>11s} {'HF tok/s':>9s} {'x HF':>6s} "
+             f"{'ms':>8s} {'GB/s':>7s} {'%HBM':>6s} {'TFLOP/s':>8s} {'%peak':>6s}"]
+    for name, res in out.items():
+        if not isinstance(res, dict) or "decode" not in res:
+            continue
+        hf = res.get("hf") or {}
+        for kind, key, ms in (("decode", "batch", "step_ms"), ("prefill", "tokens", "ms")):
+            hf_rows = {r[key]: r for r in hf.get(kind, [])} if isinstance(hf.get(kind), list) else {}
+            for r in res.get(kind, []):
+                if "tok_s" not in r:
+                    continue
+                h = hf_rows.get(r[key], {}).get("tok_s")
+                lines.append(f"{name:7s} {kind:8s} {r[key]:5d} {r['tok_s']:11.1f} {h or float('nan'):9.1f} "
+                             f"{(r['tok_s'] / h) if h else float('nan'):6.1f} {r[ms]:8.2f} {r['gb_s']:7.0f} "
+                             f"{100 * r['hbm_frac']:5.1f}% {r['tflop_s']:8.1f} {100 * r['peak_frac']:5.1f}%")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="mini,flash4")
+    parser.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results")))
+    parser.add_argument("--budget-s", type=float, default=450.0, help="skip phases past this much wall time")
+    parser.add_argument("--tiny", action="store_true", help="CPU, tiny shapes, torch-reference kernels")
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--kv-gib", type=int, default=8)
+    args = parser.parse_args(argv)
+    args.batches = (1, 4) if args.tiny else (1, 16, 64, 256)
+    args.prefill = (64, 200) if args.tiny else (2048, 8192)
+    args.new_tokens, args.hf_new_tokens, args.check_tokens = (4, 3, 3) if args.tiny else (24, 12, 16)
+    if args.tiny:  # the fast paths forced onto the host with the torch references, graphs emulated
+        os.environ.setdefault("DEEPINFER_FASTPATH", "ref")
+        os.environ.setdefault("DEEPINFER_FAST_PREFILL", "ref")
+        os.environ.setdefault("DEEPINFER_CUDA_GRAPHS", "1")
+        args.kv_gib = 1
+    sizes = tiny_sizes() if args.tiny else {"mini": mini_config, "flash4": flash4_config}
+    budget = Budget(args.budget_s)
+    out: dict = {"commit": commit(), "torch": torch.__version__, "budget_s": args.budget_s, "tiny": args.tiny,
+                 "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.tiny else "cpu",
+                 "ceilings": {"hbm_gb_s": 4200, "bf16_tflop_s": 800}}
+    try:
+        import transformers
+        import triton
+        out["transformers"], out["triton"] = transformers.__version__, triton.__version__
+    except ImportError:
+        pass
     os.makedirs(args.out, exist_ok=True)
-    phases = [("check", check)] + ([("breakdown", breakdown)] if args.breakdown else []) + [("bench", bench)]
-    for name, fn in phases:
+    path = os.path.join(args.out, "fastpath_bench.json")
+    for name in args.sizes.split(","):
         try:
-            fn(llm, fast, results)
-        except Exception:  # keep what ran; report the failure
-            results[f"{name}_error"] = traceback.format_exc()
-            print(results[f"{name}_error"][-3000:], flush=True)
-        with open(os.path.join(args.out, "fastpath_bench.json"), "w") as f:  # after every phase
-            json.dump(results, f, indent=1)
+            run_size(name, sizes[name](), args, out, budget)
+        except Exception:
+            out.setdefault(name, {})["error"] = traceback.format_exc()[-3000:]
+            print(out[name]["error"], flush=True)
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+    out["table"] = table(out)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"results: {path}\n{out['table']}", flush=True)
+    return out
 
 
 if __name__ == "__main__":

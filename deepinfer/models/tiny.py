@@ -107,32 +107,35 @@ def tiny_v41_config(**overrides: object) -> DeepseekV41Config:
 
 
 @torch.no_grad()
-def init_random(model: DeepseekV4Model, seed: int) -> None:
+def init_random(model: DeepseekV4Model, seed: int, device: str | torch.device = "cpu") -> None:
     """Fill every parameter from a seeded generator with values that exercise each path:
-    non-trivial norms, sinks, position biases, mHC mixes, router biases, hash tables."""
-    gen = torch.Generator().manual_seed(seed)
+    non-trivial norms, sinks, position biases, mHC mixes, router biases, hash tables.
+    ``device``: where the generator draws (a GPU fills a large model in seconds; the
+    values then differ from the CPU generator's)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    randn = lambda shape: torch.randn(shape, generator=gen, device=gen.device)  # noqa: E731
     cfg = model.cfg
     for name, p in sorted(model.named_parameters()):
         leaf = name.rsplit(".", 1)[-1]
         if name.endswith("norm.weight"):
-            val = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+            val = 1.0 + 0.1 * randn(p.shape)
         elif leaf.endswith("_scale"):
-            val = 1.0 + 0.2 * torch.randn(p.shape, generator=gen)
+            val = 1.0 + 0.2 * randn(p.shape)
         elif leaf.endswith("_base") or leaf in ("attn_sink", "bias"):
-            val = 0.5 * torch.randn(p.shape, generator=gen)
+            val = 0.5 * randn(p.shape)
         elif leaf == "ape":
-            val = 0.3 * torch.randn(p.shape, generator=gen)
+            val = 0.3 * randn(p.shape)
         elif leaf in ("q_weight", "k_weight"):  # V4.1 Engram gate weights
-            val = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+            val = 1.0 + 0.1 * randn(p.shape)
         elif leaf.endswith("_fn"):
-            val = 0.05 * torch.randn(p.shape, generator=gen)
+            val = 0.05 * randn(p.shape)
         else:
             fan_in = p.shape[-1]
-            val = torch.randn(p.shape, generator=gen) * (fan_in ** -0.5)
+            val = randn(p.shape) * (fan_in ** -0.5)
         p.copy_(val.to(p.dtype))
     for name, buf in model.named_buffers():
         if name.endswith("tid2eid"):
-            noise = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=gen)
+            noise = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=gen, device=gen.device)
             buf.copy_(noise.argsort(dim=-1)[:, : cfg.num_experts_per_tok])
 
 

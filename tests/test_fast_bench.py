@@ -1,0 +1,34 @@
+"""profiling/fastpath_bench.py on CPU (--tiny: tiny shapes, the fast paths with their torch
+references, graphs emulated, HF transformers on the same config): every phase runs and
+records what the GPU run will record."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiling"))
+
+import fastpath_bench  # noqa: E402
+
+
+def test_bench_tiny_end_to_end(tmp_path, monkeypatch, capsys):
+    for var in ("DEEPINFER_FASTPATH", "DEEPINFER_FAST_PREFILL", "DEEPINFER_CUDA_GRAPHS"):
+        monkeypatch.delenv(var, raising=False)
+    out = fastpath_bench.main(["--tiny", "--sizes", "mini", "--out", str(tmp_path)])
+    for var in ("DEEPINFER_FASTPATH", "DEEPINFER_FAST_PREFILL", "DEEPINFER_CUDA_GRAPHS"):
+        os.environ.pop(var, None)  # main() set them for its own run
+    saved = json.loads((tmp_path / "fastpath_bench.json").read_text())
+    mini = saved["mini"]
+    assert saved["commit"] and mini["fast_path"] == {"decode": True, "prefill": True, "ops": "ref"}
+    check = mini["check_engine"]
+    for pair in ("reference_vs_eager", "reference_vs_graphs", "eager_vs_graphs"):
+        agree, total = map(int, check[pair]["greedy_token_agreement"].split("/"))
+        assert agree == total > 0 and check[pair]["rows_compared"] > 0
+    assert mini["check_layers"]["verdict"]["pass"]
+    assert [r["batch"] for r in mini["decode"]] == [1, 4] and all(r["tok_s"] > 0 for r in mini["decode"])
+    assert [r["path"] for r in mini["prefill"]] == ["fast_prefill", "fast_prefill"]
+    assert len(mini["hf"]["decode"]) == 2 and all(r["tok_s"] > 0 for r in mini["hf"]["prefill"])
+    printed = capsys.readouterr().out
+    assert out["table"] in printed and "x HF" in printed
