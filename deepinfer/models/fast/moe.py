@@ -19,8 +19,10 @@ def _experts(moe: torch.nn.Module) -> list[torch.nn.Module]:
     """Routed experts, plus the shared expert when it can ride along (same shapes)."""
     experts = list(moe.experts)
     shared = moe.shared_experts
-    if shared is not None and shared.w1.weight.shape == experts[0].w1.weight.shape and \
+    if shared is not None and shared.w1.quantized is None and \
+            shared.w1.weight.shape == experts[0].w1.weight.shape and \
             shared.w2.weight.shape == experts[0].w2.weight.shape and shared.limit == experts[0].limit:
+        # (an FP8 shared expert keeps only its checkpoint bytes and runs the FP8 GEMM instead)
         experts.append(shared)
     return experts
 
