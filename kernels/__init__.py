@@ -22,6 +22,7 @@ module                 wrapper(s)
                        table, tail, norm_weight, eps, inv_freq, ratio, overlap, block_size)``
 ``norm_rope``          ``norm_rope(x, positions, inv_freq, norm, weight, eps, inverse,
                        out_dtype, pool=None, table=None)`` (head norm + RoPE [+ KV write])
+``batch_invariant_*``  batch-invariant mode's ops: ``deepinfer.batch_invariant.BUILTIN_KERNELS``
 =====================  ===============================================================
 
 Kernels take CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` is set before
