@@ -233,3 +233,36 @@ def test_model_through_kernels(tmp_path, fresh_seed: int, kernels: dict) -> None
         for op in bi.OPS:
             bi.register_kernel(op, DEVICE, None)
         assert_close(full, run([24], False), torch.float32)
+
+
+def test_v41_moe_and_engram_through_kernels(gen: torch.Generator, kernels: dict) -> None:
+    """V4.1's MoE (float32 router over logits / gate_temp) and Engram gate (row statistics)
+    in the mode on the kernels: row invariant and equal to the mode's torch references."""
+    from deepinfer.models.engram import Engram
+    from deepinfer.models.tiny import tiny_v41_config
+    from deepinfer.models.v41_layers import MoE41
+
+    cfg = tiny_v41_config(vocab_size=300)
+    moe = MoE41(cfg, cfg.n_routed_experts, cfg.num_experts_per_tok, torch.bfloat16).to(DEVICE)
+    engram = Engram(cfg, cfg.engram_num_embeddings[0], torch.float32).to(DEVICE)
+    cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+    with torch.no_grad():
+        for p in list(moe.parameters()) + list(engram.parameters()):
+            p.copy_(dev(randn(gen, *p.shape, scale=p.shape[-1] ** -0.5 if p.dim() > 1 else 0.5)).to(p.dtype))
+
+    def moe_rows(m: int) -> tuple[torch.Tensor, ...]:
+        return dev(randn(gen, m, cfg.hidden_size, dtype=torch.bfloat16)), dev(torch.zeros(m, dtype=torch.long))
+
+    def engram_rows(m: int) -> tuple[torch.Tensor, ...]:
+        return (dev(randn(gen, m, cfg.hc_mult, cfg.hidden_size)),
+                dev(torch.randint(0, cfg.engram_num_embeddings[0], (m, cols), generator=gen)))
+
+    with torch.no_grad(), batch_invariant_mode(True):
+        assert_row_invariant(moe, moe_rows, sizes=[1, 40], targets=1)
+        assert_row_invariant(engram, engram_rows, sizes=[1, 3, 40], targets=1)
+        args_moe, args_engram = moe_rows(30), engram_rows(30)
+        got = moe(*args_moe), engram(*args_engram)
+        for op in bi.OPS:
+            bi.register_kernel(op, DEVICE, None)
+        assert_close(got[0], moe(*args_moe), torch.bfloat16)
+        assert_close(got[1], engram(*args_engram), torch.float32)
