@@ -30,7 +30,7 @@ class Draft:
 @dataclass
 class DraftContext:
     batch: ForwardBatch
-    streams: torch.Tensor  # [T, N, D] final target streams of the step
+    streams: torch.Tensor  # the target's final output rows: V4 streams [T, N, D], V4.1 collapsed [T, D]
     hidden: dict[int, torch.Tensor]  # captured layer INPUT streams (layer id -> [T, N, D])
     scheduled: list[ScheduledRequest]
     valid: list[int]  # per scheduled request: rows of the step whose KV is now valid
