@@ -34,7 +34,12 @@ The Triton kernels of ``kernels/batch_invariant_*.py`` (:data:`BUILTIN_KERNELS`)
 registered for "cuda" the first time the mode asks for a CUDA kernel (when Triton
 imports); :func:`load_builtin_kernels` registers them explicitly (tests do so for "cpu"
 under ``TRITON_INTERPRET=1``) and :func:`set_autoload` turns the automatic loading off
-(to measure the torch fallbacks).
+(to measure the torch fallbacks). Each keeps one launch configuration per dtype and
+model width, never one chosen from the step's row count: GEMMs without split-K,
+attention over one key order per query, the MoE's expert GEMMs at one tiling with a
+combine in ascending expert id, and the row reductions torch's CUDA kernels would lay
+out by row count (RMSNorm's mean of squares, the sampler's top-p cumsum). In the mode
+the fast path (deepinfer/models/fast) stays off: steps run the reference path.
 """
 
 from __future__ import annotations
