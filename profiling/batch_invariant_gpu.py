@@ -2,6 +2,7 @@
 """Batch-invariant mode on one GPU: per-op bitwise table, end-to-end bitwise checks, cost.
 
     PYTHONPATH=. python3 profiling/batch_invariant_gpu.py                    # H200: random `mini` bf16, < 4 min
+    PYTHONPATH=. python3 profiling/batch_invariant_gpu.py --model /tmp/mini  # reuse h200_session.sh's checkpoint
     .venv/bin/python profiling/batch_invariant_gpu.py --device cpu --size tiny   # CPU smoke run (torch references)
 
 1. ops: every op of the model, a target row alone vs inside batches of 1..256 at three
@@ -107,7 +108,7 @@ def end_to_end(llm: LLM, vocab: int, clock: Clock) -> dict:
     res: dict = {"batches": []}
     for n in (1, 7, 64):
         if clock.left() < 30:
-            res["skipped"] = f"batch {n} and later (time)"
+            res.setdefault("skipped", []).append(f"batch {n} and later (time)")
             break
         got, _ = run(1, traffic(n - 1, n, vocab, shared), n)
         every += got
@@ -116,7 +117,7 @@ def end_to_end(llm: LLM, vocab: int, clock: Clock) -> dict:
     others, mixed = traffic(40, 99, vocab, shared), []
     for seed in (1, 2):
         if clock.left() < 25:
-            res["skipped"] = "mixed pass (time)"
+            res.setdefault("skipped", []).append(f"mixed pass {seed} and later (time)")
             break
         got, hits = run(64, others, seed)
         mixed += got
@@ -242,7 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--size", default="mini", choices=["mini", "tiny"])
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--budget-s", type=float, default=220.0, help="stop starting phases after this many seconds")
+    p.add_argument("--model", default=None, help="an existing checkpoint (default: write a random one of --size)")
+    p.add_argument("--budget-s", type=float, default=200.0, help="stop starting phases after this many seconds")
     p.add_argument("--cost-scale", type=float, default=0.5, help="request-count scale of the cost workloads")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "profiling" / "results")))
     args = p.parse_args(argv)
@@ -250,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cpu":
         os.environ["DEEPINFER_ACCELERATOR"] = "cpu"
     torch.manual_seed(0)
-    model = make_checkpoint(args.size, dtype)
+    model = args.model or make_checkpoint(args.size, dtype)
     result: dict = {"args": vars(args)}
     llm = LLM(model, dtype=args.dtype, batch_invariant=True, max_model_len=1024, max_num_batched_tokens=512,
               max_num_seqs=128)
@@ -299,7 +301,7 @@ def report(r: dict) -> None:
             print(f"  {label}: alone vs batches {e['batches']} -> {e['alone_vs_batches_unique']} unique; "
                   f"{e['mixed_copies']} copies among traffic -> {e['mixed_unique']} unique; all -> {e['all_unique']} "
                   f"(tokens only {e['tokens_only_unique']}); prefix hit {e['max_prefix_hit_tokens']} tokens: "
-                  f"{verdict}{'; ' + e['skipped'] if 'skipped' in e else ''}")
+                  f"{verdict}{'; skipped ' + ', '.join(e['skipped']) if 'skipped' in e else ''}")
     print(f"  {'engine':>22} {'workload':>8} {'tok/s':>9} {'out tok/s':>9} {'vs off':>7} {'vs ref path':>11}")
     for c in r["cost"]:
         if "skipped" in c:
