@@ -7,7 +7,9 @@ are handled here so that every kernel computes the same numbers there as on a GP
   :func:`round_to` rounds with integer bit arithmetic when interpreting;
 * its ``tl.dot`` on bfloat16 operands multiplies the raw bit patterns, so :func:`mma`
   upcasts the operands to float32 first when interpreting (bf16 x bf16 products are
-  exact in float32, so this matches the tensor cores' float32 accumulation).
+  exact in float32, so this matches the tensor cores' float32 accumulation);
+* it has no libdevice, which :func:`cos_sin` uses on GPUs (RoPE angles reach thousands of
+  radians at long contexts, where only a fully range-reduced cos/sin matches torch's).
 
 Kernels take ``INTERP: tl.constexpr`` (from :func:`interpreting`) and a dtype code
 (:func:`dtype_code`) instead of a ``tl.dtype`` so the same source compiles everywhere.
@@ -20,6 +22,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 #: Codes for the activation dtype passed to kernels as a constexpr.
 FP32, BF16, FP16 = 0, 1, 2
@@ -75,3 +78,15 @@ def mma(a, b, acc, INTERP: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc)
     return acc
+
+
+@triton.jit
+def cos_sin(x, INTERP: tl.constexpr):
+    """float32 (cos x, sin x) accurate at large |x|: libdevice on a GPU, numpy when interpreting."""
+    if INTERP:
+        c = tl.cos(x)
+        s = tl.sin(x)
+    else:
+        c = libdevice.cos(x)
+        s = libdevice.sin(x)
+    return c, s

@@ -24,30 +24,30 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, dtype_code, interpreting, next_pow2, round_to
+from ._common import check_device, cos_sin, dtype_code, interpreting, next_pow2, round_to
 
 
 @triton.jit
 def _compressor_decode_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, ring_ptr, ent_ptr, tab_ptr, tail_ptr,
                               norm_w_ptr, freq_ptr, stride_kv, stride_sc, stride_tab, L, EPB, BS, eps,
                               RATIO: tl.constexpr, OVERLAP: tl.constexpr, HAS_TAIL: tl.constexpr,
-                              D: tl.constexpr, ROPE_HALF: tl.constexpr, CODE: tl.constexpr,
-                              INTERP: tl.constexpr, BLOCK_R: tl.constexpr):
+                              D: tl.constexpr, C: tl.constexpr, OWN: tl.constexpr, NWIN: tl.constexpr,
+                              ROPE_HALF: tl.constexpr, CODE: tl.constexpr, INTERP: tl.constexpr,
+                              BLOCK_R: tl.constexpr):
+    # C = coff * D columns per ring row; OWN = column offset of a token's own-window half
+    # (D for overlapping windows); NWIN = rows pooled per window (2 * RATIO when overlapping)
     r = tl.program_id(0).to(tl.int64)
-    C: tl.constexpr = 2 * D if OVERLAP else D
-    OWN: tl.constexpr = D if OVERLAP else 0  # column offset of a token's own-window half
-    NWIN: tl.constexpr = 2 * RATIO if OVERLAP else RATIO
     p = tl.load(pos_ptr + r).to(tl.int32)
     slot = tl.load(slot_ptr + r).to(tl.int64)
     d = tl.arange(0, D)
     ring = ring_ptr + slot * L * 2 * C  # [L, 2, C] float32
     # ring write: all C columns of this token
     for c0 in tl.static_range(0, C, D):
-        kv = tl.load(kv_ptr + r * stride_kv + c0 + d).to(tl.float32)
-        sc = tl.load(sc_ptr + r * stride_sc + c0 + d).to(tl.float32) + tl.load(ape_ptr + (p % RATIO) * C + c0 + d)
+        kv_c = tl.load(kv_ptr + r * stride_kv + c0 + d).to(tl.float32)
+        sc_c = tl.load(sc_ptr + r * stride_sc + c0 + d).to(tl.float32) + tl.load(ape_ptr + (p % RATIO) * C + c0 + d)
         row = ring + (p % L) * 2 * C
-        tl.store(row + c0 + d, kv)
-        tl.store(row + C + c0 + d, sc)
+        tl.store(row + c0 + d, kv_c)
+        tl.store(row + C + c0 + d, sc_c)
     cur_kv_own = tl.load(kv_ptr + r * stride_kv + OWN + d).to(tl.float32)
     cur_sc_own = tl.load(sc_ptr + r * stride_sc + OWN + d).to(tl.float32) + tl.load(ape_ptr + (p % RATIO) * C + OWN + d)
     w = p // RATIO
@@ -55,40 +55,40 @@ def _compressor_decode_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, ring_p
     if (p + 1) % RATIO == 0:
         # pass 1: per-channel max and sum of exp over the window rows
         mx = tl.full([D], float("-inf"), dtype=tl.float32)
-        for k0 in tl.static_range(0, NWIN, BLOCK_R):
+        for k0 in range(0, NWIN, BLOCK_R):
             k = k0 + tl.arange(0, BLOCK_R)
             kpos = first + k
             ok = (k < NWIN) & (kpos >= 0)
             col = tl.where(k >= NWIN - RATIO, OWN, 0)
-            sc = tl.load(ring + ((kpos + L) % L)[:, None] * 2 * C + C + col[:, None] + d[None, :], mask=ok[:, None],
-                         other=float("-inf"))
-            sc = tl.where((kpos == p)[:, None], cur_sc_own[None, :], sc)
-            mx = tl.maximum(mx, tl.max(sc, axis=0))
+            sc_t = tl.load(ring + ((kpos + L) % L)[:, None] * 2 * C + C + col[:, None] + d[None, :],
+                           mask=ok[:, None], other=float("-inf"))
+            sc_t = tl.where((kpos == p)[:, None], cur_sc_own[None, :], sc_t)
+            mx = tl.maximum(mx, tl.max(sc_t, axis=0))
         den = tl.zeros([D], dtype=tl.float32)
-        for k0 in tl.static_range(0, NWIN, BLOCK_R):
+        for k0 in range(0, NWIN, BLOCK_R):
             k = k0 + tl.arange(0, BLOCK_R)
             kpos = first + k
             ok = (k < NWIN) & (kpos >= 0)
             col = tl.where(k >= NWIN - RATIO, OWN, 0)
-            sc = tl.load(ring + ((kpos + L) % L)[:, None] * 2 * C + C + col[:, None] + d[None, :], mask=ok[:, None],
-                         other=float("-inf"))
-            sc = tl.where((kpos == p)[:, None], cur_sc_own[None, :], sc)
-            den += tl.sum(tl.exp(sc - mx[None, :]), axis=0)
+            sc_t = tl.load(ring + ((kpos + L) % L)[:, None] * 2 * C + C + col[:, None] + d[None, :],
+                           mask=ok[:, None], other=float("-inf"))
+            sc_t = tl.where((kpos == p)[:, None], cur_sc_own[None, :], sc_t)
+            den += tl.sum(tl.exp(sc_t - mx[None, :]), axis=0)
         # pass 2: rounded weights times rounded values, summed in float32, rounded once
         acc = tl.zeros([D], dtype=tl.float32)
-        for k0 in tl.static_range(0, NWIN, BLOCK_R):
+        for k0 in range(0, NWIN, BLOCK_R):
             k = k0 + tl.arange(0, BLOCK_R)
             kpos = first + k
             ok = (k < NWIN) & (kpos >= 0)
             col = tl.where(k >= NWIN - RATIO, OWN, 0)
             base = ring + ((kpos + L) % L)[:, None] * 2 * C + col[:, None] + d[None, :]
-            sc = tl.load(base + C, mask=ok[:, None], other=float("-inf"))
-            kv = tl.load(base, mask=ok[:, None], other=0.0)
+            sc_t = tl.load(base + C, mask=ok[:, None], other=float("-inf"))
+            kv_t = tl.load(base, mask=ok[:, None], other=0.0)
             cur = (kpos == p)[:, None]
-            sc = tl.where(cur, cur_sc_own[None, :], sc)
-            kv = tl.where(cur, cur_kv_own[None, :], kv)
-            a = round_to(tl.exp(sc - mx[None, :]) / den[None, :], CODE, INTERP)
-            acc += tl.sum(round_to(round_to(kv, CODE, INTERP) * a, CODE, INTERP), axis=0)
+            sc_t = tl.where(cur, cur_sc_own[None, :], sc_t)
+            kv_t = tl.where(cur, cur_kv_own[None, :], kv_t)
+            a = round_to(tl.exp(sc_t - mx[None, :]) / den[None, :], CODE, INTERP)
+            acc += tl.sum(round_to(round_to(kv_t, CODE, INTERP) * a, CODE, INTERP), axis=0)
         pooled = round_to(acc, CODE, INTERP)
         inv = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(pooled * pooled, axis=0) / D + eps))
         y = round_to(round_to(pooled * inv, CODE, INTERP) * tl.load(norm_w_ptr + d), CODE, INTERP)
@@ -97,8 +97,9 @@ def _compressor_decode_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, ring_p
         pair = tl.arange(0, D // 2) - (D // 2 - ROPE_HALF)
         is_rope = pair >= 0
         ang = (w * RATIO).to(tl.float32) * tl.load(freq_ptr + tl.where(is_rope, pair, 0), mask=is_rope, other=0.0)
-        c = round_to(tl.cos(ang), CODE, INTERP)
-        s = round_to(tl.sin(ang), CODE, INTERP)
+        cos, sin = cos_sin(ang, INTERP)
+        c = round_to(cos, CODE, INTERP)
+        s = round_to(sin, CODE, INTERP)
         new_even = tl.where(is_rope, round_to(even * c - odd * s, CODE, INTERP), even)
         new_odd = tl.where(is_rope, round_to(odd * c + even * s, CODE, INTERP), odd)
         y = tl.reshape(tl.join(new_even, new_odd), [D])
@@ -106,18 +107,18 @@ def _compressor_decode_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, ring_p
         tl.store(ent_ptr + (blk * EPB + w % EPB) * D + d, y.to(ent_ptr.dtype.element_ty))
     if HAS_TAIL:
         if (p + 1) % BS == 0:  # the block ends: save the last window's first halves (kv, sc)
-            cur_kv = tl.load(kv_ptr + r * stride_kv + d).to(tl.float32)
-            cur_sc = tl.load(sc_ptr + r * stride_sc + d).to(tl.float32) + tl.load(ape_ptr + (p % RATIO) * C + d)
-            blk = tl.load(tab_ptr + r * stride_tab + p // BS).to(tl.int64)
-            k = tl.arange(0, RATIO)
-            kpos = p - RATIO + 1 + k
-            src = ring + ((kpos + L) % L)[:, None] * 2 * C + d[None, :]
-            cur = (kpos == p)[:, None]
-            kv = tl.where(cur, cur_kv[None, :], tl.load(src))
-            sc = tl.where(cur, cur_sc[None, :], tl.load(src + C))
-            dst = tail_ptr + blk * RATIO * 2 * D + k[:, None] * 2 * D + d[None, :]
-            tl.store(dst, kv)
-            tl.store(dst + D, sc)
+            cur_kv_a = tl.load(kv_ptr + r * stride_kv + d).to(tl.float32)
+            cur_sc_a = tl.load(sc_ptr + r * stride_sc + d).to(tl.float32) + tl.load(ape_ptr + (p % RATIO) * C + d)
+            tail_blk = tl.load(tab_ptr + r * stride_tab + p // BS).to(tl.int64)
+            rows = tl.arange(0, RATIO)
+            tpos = p - RATIO + 1 + rows
+            src = ring + ((tpos + L) % L)[:, None] * 2 * C + d[None, :]
+            is_cur = (tpos == p)[:, None]
+            kv_a = tl.where(is_cur, cur_kv_a[None, :], tl.load(src))
+            sc_a = tl.where(is_cur, cur_sc_a[None, :], tl.load(src + C))
+            dst = tail_ptr + tail_blk * RATIO * 2 * D + rows[:, None] * 2 * D + d[None, :]
+            tl.store(dst, kv_a)
+            tl.store(dst + D, sc_a)
 
 
 def compressor_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
@@ -146,9 +147,9 @@ def compressor_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, 
         tail if tail is not None else ring, norm_weight.float().contiguous(),
         inv_freq.to(device=kv.device, dtype=torch.float32).contiguous(),
         kv.stride(0), score.stride(0), table.stride(0), ring.shape[1], entries.shape[1], block_size, float(eps),
-        RATIO=ratio, OVERLAP=overlap, HAS_TAIL=tail is not None, D=d, ROPE_HALF=half,
-        CODE=dtype_code(kv.dtype), INTERP=interpreting(), BLOCK_R=min(16, next_pow2(2 * ratio if overlap else ratio)),
-        num_warps=4 if d <= 128 else 8)
+        RATIO=ratio, OVERLAP=overlap, HAS_TAIL=tail is not None, D=d, C=c, OWN=d if overlap else 0,
+        NWIN=2 * ratio if overlap else ratio, ROPE_HALF=half, CODE=dtype_code(kv.dtype), INTERP=interpreting(),
+        BLOCK_R=min(16, next_pow2(2 * ratio if overlap else ratio)), num_warps=4 if d <= 128 else 8)
 
 
 def compressor_decode_ref(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, dtype_code, interpreting, next_pow2, round_to
+from ._common import check_device, cos_sin, dtype_code, interpreting, next_pow2, round_to
 
 _NORMS = {"none": 0, "unweighted": 1, "weighted": 2}
 
@@ -48,8 +48,9 @@ def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, tab_ptr, H, stri
     pair = tl.arange(0, D // 2) - (D // 2 - HALF)
     is_rope = pair >= 0
     ang = p.to(tl.float32) * tl.load(freq_ptr + tl.where(is_rope, pair, 0), mask=is_rope, other=0.0)
-    c = round_to(tl.cos(ang), CODE, INTERP)[None, :]
-    s = round_to(tl.sin(ang), CODE, INTERP)[None, :]
+    cos, sin = cos_sin(ang, INTERP)
+    c = round_to(cos, CODE, INTERP)[None, :]
+    s = round_to(sin, CODE, INTERP)[None, :]
     if INVERSE:
         s = -s
     rope = is_rope[None, :]

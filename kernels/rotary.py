@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, dtype_code, interpreting, next_pow2, round_to
+from ._common import check_device, cos_sin, dtype_code, interpreting, next_pow2, round_to
 
 
 @triton.jit
@@ -36,8 +36,9 @@ def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, freq_ptr, H, D, NO
     if FROM_POS:
         pos = tl.load(pos_ptr + t).to(tl.float32)
         ang = pos * tl.load(freq_ptr + lanes)
-        c = round_to(tl.cos(ang), CODE, INTERP)
-        s = round_to(tl.sin(ang), CODE, INTERP)
+        cos, sin = cos_sin(ang, INTERP)
+        c = round_to(cos, CODE, INTERP)
+        s = round_to(sin, CODE, INTERP)
     else:
         c = tl.load(cos_ptr + t * stride_ct + lanes)
         s = tl.load(sin_ptr + t * stride_ct + lanes)
