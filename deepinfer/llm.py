@@ -28,6 +28,7 @@ from deepinfer.models.bounded_replay import ReplayConfig
 from deepinfer.models.kv_cache import group_names
 from deepinfer.models.kv_cache_v41 import WINDOW_GROUPS, new_kv_cache
 from deepinfer.models.loader import load_model
+from deepinfer.models.default_model import resolve_model
 from deepinfer.models.tiny import default_checkpoint_dir
 from deepinfer.outputs import RequestMetrics, RequestOutput
 from deepinfer.platform import get_platform
@@ -64,7 +65,7 @@ class LLM:
         cfg = self.config
         self.platform = get_platform(cfg.accelerator)  # fails fast: ConfigError names what is missing
         self.device = self.platform.device()
-        self.model_dir = cfg.model or default_checkpoint_dir()
+        self.model_dir = resolve_model(cfg.model) if cfg.model else default_checkpoint_dir()
         torch.manual_seed(cfg.seed)
         self.model = load_model(self.model_dir, dtype=cfg.dtype, device=str(self.device))
         self.model_config = self.model.cfg

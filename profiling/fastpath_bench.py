@@ -290,7 +290,9 @@ def run_size(name: str, cfg, args, out: dict, budget: Budget) -> None:
     release(llm)
     del llm, model
     gc.collect()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        res["gpu_bytes_left_after_release"] = torch.cuda.memory_allocated()
     if not args.no_hf:
         phase(res, "hf", budget, 40, run_hf, cfg, device, args)
 
@@ -301,9 +303,12 @@ def release(llm) -> None:
     for fast in llm._fast_paths:
         if fast is not None and hasattr(fast, "_graphs"):
             fast._graphs.clear()
+    for module in llm.model.modules():  # the fast paths' fused weights (expert stacks, concatenations)
+        for name in [n for n in vars(module) if n.startswith("_fast")]:
+            delattr(module, name)
     for p in llm.model.parameters():
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    for name, value in vars(llm.kv_cache).items():
+    for value in vars(llm.kv_cache).values():
         if isinstance(value, dict):
             value.clear()
 

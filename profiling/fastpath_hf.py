@@ -28,11 +28,13 @@ def build_hf(cfg, dtype: torch.dtype, device: str, seed: int = 0) -> torch.nn.Mo
         json.dump(cfg.to_official_json(), f)
     hf_cfg = transformers.AutoConfig.from_pretrained(path)
     torch.manual_seed(seed)
-    with torch.device(device):
-        try:
-            model = transformers.DeepseekV4ForCausalLM._from_config(hf_cfg, dtype=dtype)
-        except TypeError:  # older spelling
-            model = transformers.DeepseekV4ForCausalLM._from_config(hf_cfg, torch_dtype=dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in bf16 directly: a float32 flash4 would not fit next to nothing
+    try:
+        with torch.device(device):
+            model = transformers.DeepseekV4ForCausalLM(hf_cfg)
+    finally:
+        torch.set_default_dtype(default)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, buf in model.named_buffers():

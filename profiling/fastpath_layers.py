@@ -68,7 +68,11 @@ def teacher_forced(model: torch.nn.Module, prompts: list[list[int]], steps: int,
     cfg = model.cfg
     layers = list(range(cfg.num_hidden_layers))
     max_len = max(len(p) for p in prompts) + steps + 1
-    truth_model = copy.deepcopy(model).float()
+    truth_model = copy.deepcopy(model)
+    for module in truth_model.modules():  # the fast paths' fused bf16 weights: not the truth's
+        for name in [n for n in vars(module) if n.startswith("_fast")]:
+            delattr(module, name)
+    truth_model = truth_model.float()
     truth_model.dtype = torch.float32
     runs = {"truth": StandaloneRunner(truth_model, len(prompts), max_len),
             "ref": StandaloneRunner(model, len(prompts), max_len),
