@@ -104,3 +104,30 @@ def test_temperature_fit_calibrates_overconfident_logits() -> None:
     assert all(2.0 < t < 4.5 for t in temps)
     assert all(a < b for a, b in zip(after, before)) and max(after) < 0.02
     assert expected_calibration_error(torch.tensor([0.9, 0.1]), torch.tensor([0.9, 0.1])) < 1e-9
+
+
+
+def test_drafter_applies_the_checkpoints_confidence_temperatures() -> None:
+    from deepinfer.models.deepseek_v4 import DeepseekV4Model
+    from deepinfer.models.tiny import init_random, tiny_dspark_config
+    from deepinfer.spec.dspark_drafter import DSparkDrafter
+
+    temps = [0.5, 1.0, 2.0, 3.0, 4.0]
+    cfg = tiny_dspark_config(vocab_size=300, dspark_confidence_temperatures=temps)
+    model = DeepseekV4Model(cfg, torch.float32)
+    init_random(model, 0)
+    drafter = DSparkDrafter(model, cache=None, k=5)
+    assert drafter.temperatures == temps
+    gen = torch.Generator().manual_seed(1)
+    logits, hidden = torch.randn(2, 5, 300, generator=gen), torch.randn(2, 5, cfg.hidden_size, generator=gen)
+    greedy = [SamplingParams(temperature=0.0)] * 2
+    calibrated = drafter.draft(logits, hidden, [3, 4], [10, 20], greedy, 5)
+    drafter.temperatures = [1.0] * 5
+    raw = drafter.draft(logits, hidden, [3, 4], [10, 20], greedy, 5)
+    for c, r in zip(calibrated, raw):
+        assert c.tokens == r.tokens
+        z = torch.logit(torch.tensor(r.confidences, dtype=torch.float64))
+        assert torch.allclose(torch.tensor(c.confidences, dtype=torch.float64), torch.sigmoid(z / torch.tensor(temps)),
+                              atol=1e-6)
+    with pytest.raises(Exception, match="dspark_confidence_temperatures"):
+        tiny_dspark_config(vocab_size=300, dspark_confidence_temperatures=[1.0, -1.0, 1.0, 1.0, 1.0])

@@ -51,6 +51,8 @@ class DSparkDrafter(Drafter):
         if not cfg.has_dspark:
             raise ValueError("DSparkDrafter needs a checkpoint with a DSpark drafter (dspark_block_size > 0)")
         self.gamma = int(cfg.dspark_block_size)
+        # per-position confidence temperatures fitted at training time (1.0 when the checkpoint has none)
+        self.temperatures = [float(t) for t in cfg.dspark_confidence_temperatures] or [1.0] * self.gamma
         if k > self.gamma:
             raise ValueError(f"num_speculative_tokens={k} exceeds the DSpark block size {self.gamma}: "
                              f"the drafter proposes at most dspark_block_size tokens per step")
@@ -150,7 +152,7 @@ class DSparkDrafter(Drafter):
         for j in range(n):
             emb = last.markov_head.embedding(prev)
             z = logits[:, j] + last.markov_head(prev)
-            conf = last.confidence_head(h[:, j], emb)
+            conf = last.confidence_head(h[:, j], emb, self.temperatures[j])
             st = SamplingTensors.from_params(params, [p + 2 + j for p in last_pos], dev)
             tok, q = sample_draft(z, st, self.sampler)
             tl, cl = tok.tolist(), conf.tolist()
