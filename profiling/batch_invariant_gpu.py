@@ -129,6 +129,60 @@ def end_to_end(llm: LLM, vocab: int, clock: Clock) -> dict:
     return res
 
 
+# ---- kernel check ----------------------------------------------------------------------
+def check_kernels(device: str) -> dict[str, str]:
+    """Each registered kernel once against its torch reference on fresh random inputs
+    (relative error of the norm). A kernel that raises or misses its dtype's tolerance is
+    unregistered, so the rest of the run measures the mode without it, and reported."""
+    from deepinfer.models.invariant_attention import attend_reference
+    from deepinfer.models.moe import MoE
+
+    if bi.get_kernel("linear", device) is None:
+        return {"all": "no kernels registered (torch references)"}
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+    bf, f32 = torch.bfloat16, torch.float32
+    rnd = lambda *shape, dt=f32: torch.randn(*shape, device=device).to(dt)  # noqa: E731
+    moe = MoE(256, 128, 16, 4, 1, False, 100, "sqrtsoftplus", 1.5, True, 10.0, bf).to(device)
+    with torch.no_grad():
+        for prm in moe.parameters():
+            prm.copy_(rnd(*prm.shape) * (prm.shape[-1] ** -0.5 if prm.dim() > 1 else 0.5))
+    xm, ids = rnd(37, 256, dt=bf), torch.randint(0, 100, (37,), device=device)
+    q, keys, ent = rnd(9, 16, 512, dt=bf), rnd(9, 512, dt=bf), rnd(2, 512, dt=bf)
+    amask, pos, sink = torch.rand(9, 2, device=device) < 0.7, torch.arange(9, device=device), rnd(16)
+    xs, wb, a32, b32, probs = rnd(70, 1024, dt=bf), rnd(300, 1024, dt=bf) * 0.03, rnd(50, 128), rnd(77, 128), \
+        torch.rand(3, 5000, device=device)
+
+    def moe_ref() -> torch.Tensor:
+        with torch_references(device), bi.batch_invariant_mode(True):
+            return moe(xm, ids)
+
+    cases = {  # op -> (kernel call, reference, tolerance)
+        "linear": (lambda k: k(xs, wb), lambda: (xs.float() @ wb.float().T).to(bf), 1e-2),
+        "matmul_nt": (lambda k: k(a32, b32), lambda: a32 @ b32.T, 2e-5),
+        "attention": (lambda k: k(q, pos, keys, 0, 4, ent, amask, sink, 512 ** -0.5),
+                      lambda: attend_reference(q, pos, keys, 0, 4, ent, amask, sink, 512 ** -0.5), 1e-2),
+        "moe": (lambda k: k(moe, xm, ids), moe_ref, 1e-2),
+        "row_sum": (lambda k: k(xs, True), lambda: xs.float().pow(2).sum(-1), 2e-5),
+        "row_cumsum": (lambda k: k(probs), lambda: probs.cumsum(-1), 2e-5),
+    }
+    out = {}
+    for op, (call, ref, tol) in cases.items():
+        kernel = bi.get_kernel(op, device)
+        try:
+            with torch.no_grad(), bi.batch_invariant_mode(True):
+                err = rel(call(kernel), ref())
+            out[op] = f"rel err {err:.2e} (tol {tol:.0e})" + ("" if err <= tol else ": FAILED, unregistered")
+            if err > tol:
+                bi.register_kernel(op, device, None)
+        except Exception as exc:  # a kernel that does not compile here: measure the rest without it
+            out[op] = f"{type(exc).__name__}: {str(exc)[:300]}: unregistered"
+            bi.register_kernel(op, device, None)
+    return out
+
+
 # ---- kernel timings --------------------------------------------------------------------
 def timed(fn, reps: int = 20) -> float:
     """Median seconds of fn() on a GPU (CUDA events), after warm-up."""
@@ -258,6 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
               max_num_seqs=128)
     vocab = llm.model_config.vocab_size
     result["meta"] = run_metadata(llm, script="profiling/batch_invariant_gpu.py", device_type=args.device)
+    result["kernel_check"] = check_kernels(args.device)
     t0 = time.perf_counter()
     result["ops"] = probe_table(dtype, args.device, wide=args.size == "mini", targets=2)
     result["ops_seconds"] = time.perf_counter() - t0
@@ -284,6 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def report(r: dict) -> None:
     meta = r["meta"]
+    print("kernels vs torch references: " + "; ".join(f"{k}: {v}" for k, v in r["kernel_check"].items()))
     print(f"\nops (mismatching placements, {meta['dtype']}):")
     cols = [c for c in r["ops"][0] if c not in ("op", "dtype")]
     for row in r["ops"]:
