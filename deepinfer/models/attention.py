@@ -71,9 +71,6 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [T, hidden] (normed sublayer input) -> [T, hidden]."""
-        if ctx.batch.decode is not None:  # fast path: a pure-decode step, every request at once
-            from .fast.decode import attention_decode
-            return attention_decode(self, x, ctx)
         cfg, pos = self.cfg, ctx.batch.positions
         rotary = ctx.rotary_compress if self.ratio else ctx.rotary_main
         cos, sin = rotary.cos_sin(pos, x.dtype)

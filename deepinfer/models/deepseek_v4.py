@@ -50,10 +50,6 @@ class Block(nn.Module):
         streams = hc_post(self.attn(self.attn_norm(x), ctx), streams, post, comb)
         post, comb, x = hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
                                cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-        if ctx.batch.decode is not None:  # fast path: router + fused routed experts
-            from .fast.moe import moe_forward
-            return hc_post(moe_forward(self.ffn, self.ffn_norm(x), ctx.batch.input_ids, ctx.batch.decode.ops),
-                           streams, post, comb)
         return hc_post(self.ffn(self.ffn_norm(x), ctx.batch.input_ids), streams, post, comb)
 
 
