@@ -16,6 +16,10 @@ class SpecMetrics:
     emitted_tokens: int = 0
     requests_verified: int = 0  # (request, step) pairs that sampled
     history: list[dict] = field(default_factory=list)  # per step, for live plots
+    # Calibration of the drafter's confidences: per draft position j, bins of the cumulative
+    # product c_1 * ... * c_j (the scheduler's survival estimate) with [count, sum of the
+    # estimates, prefixes that survived verification].
+    calibration_bins: list[list[list[float]]] = field(default_factory=list)
 
     def record(self, num_drafts: list[int], num_accepted: list[int]) -> None:
         if not num_drafts:
@@ -34,6 +38,33 @@ class SpecMetrics:
         self.emitted_tokens += e
         self.requests_verified += len(num_drafts)
         self.history.append({"requests": len(num_drafts), "verify_tokens": v, "emitted": e})
+
+    def record_confidences(self, confidences: list[list[float]], num_accepted: list[int], bins: int = 10) -> None:
+        """Per verified request: the confidences of its drafts and how many were accepted."""
+        for conf, a in zip(confidences, num_accepted):
+            cum = 1.0
+            for j, c in enumerate(conf):
+                while len(self.calibration_bins) <= j:
+                    self.calibration_bins.append([[0.0, 0.0, 0.0] for _ in range(bins)])
+                cum *= c
+                cell = self.calibration_bins[j][min(int(cum * bins), bins - 1)]
+                cell[0] += 1
+                cell[1] += cum
+                cell[2] += float(j < a)
+
+    def calibration(self) -> list[dict]:
+        """Per draft position: mean predicted prefix survival, observed survival, and the
+        expected calibration error |predicted - observed| weighted over the bins."""
+        out = []
+        for cells in self.calibration_bins:
+            n = sum(c[0] for c in cells)
+            if not n:
+                out.append({"count": 0, "predicted": float("nan"), "observed": float("nan"), "ece": float("nan")})
+                continue
+            ece = sum(abs(c[1] - c[2]) for c in cells if c[0]) / n
+            out.append({"count": int(n), "predicted": sum(c[1] for c in cells) / n,
+                        "observed": sum(c[2] for c in cells) / n, "ece": ece})
+        return out
 
     def acceptance_per_position(self) -> list[float]:
         """P(draft j accepted | it was verified), j = 1..k."""
@@ -59,7 +90,7 @@ class SpecMetrics:
                 "mean_accepted_length": self.mean_accepted_length,
                 "effective_tokens_per_step": self.effective_tokens_per_step,
                 "verify_tokens_per_step": self.verify_tokens_per_step,
-                "steps": self.steps}
+                "steps": self.steps, "calibration": self.calibration()}
 
     def reset(self) -> None:
         self.__init__()

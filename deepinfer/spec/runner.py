@@ -48,6 +48,7 @@ class SpecDecoder:
         self.curve_source = curve_source  # "measured:<json>", "profiled" or "default"
         self.rule = rule  # acceptance rule (tests break it on purpose)
         self.metrics = SpecMetrics()
+        self.confidences: dict[str, list[float]] = {}  # req_id -> confidences of its attached drafts
         self.drafts: dict[str, Draft] = {}  # proposed after the last step, not yet attached
         self.probs: dict[str, torch.Tensor | None] = {}  # q of the drafts attached to requests
         #: confidences of the previous plan: the confidence-scheduled budget comes from them and is
@@ -92,6 +93,7 @@ class SpecDecoder:
                 m = most
             req.draft_token_ids = list(d.tokens[:m])
             req.draft_confidences = list(d.confidences[:m])
+            self.confidences[req.req_id] = req.draft_confidences
             self.probs[req.req_id] = d.probs
 
     # ---------------------------------------------------------------- device side
@@ -165,6 +167,8 @@ class SpecDecoder:
             with phase(SAMPLE):
                 res = rejection_sample(logits, st, nd, draft_t, probs, runner.sampler, rule=self.rule)
             self.metrics.record(nd, res.num_accepted)
+            self.metrics.record_confidences([self.confidences.pop(so.scheduled[i].req_id, [])[:k]
+                                             for i, k in zip(picks, nd)], res.num_accepted)
             raw_lp = torch.log_softmax(logits.float(), dim=-1) if any_top else None
             for j, i in enumerate(picks):
                 sampled[i] = res.tokens[j]

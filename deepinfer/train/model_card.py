@@ -92,6 +92,12 @@ def render(card: dict, train: dict) -> str:
                   ["expected acceptance (held-out, 1 - TV)"] + [f"{a:.3f}" for a in train["draft_accept"]],
                   ["cumulative ECE before fit"] + [f"{e * 100:.2f}%" for e in train["cumulative_ece_before"]],
                   ["cumulative ECE after fit"] + [f"{e * 100:.2f}%" for e in train["cumulative_ece_after"]]])
+    engine_cal = card.get("acceptance_t1", {}).get("dspark k=5 fixed", {}).get("calibration", [])
+    cal_engine = _table([["draft position"] + [str(j + 1) for j in range(len(engine_cal))],
+                         ["predicted prefix survival (mean of products)"] + [f"{c['predicted']:.3f}" for c in engine_cal],
+                         ["observed prefix survival"] + [f"{c['observed']:.3f}" for c in engine_cal],
+                         ["calibration error (binned)"] + [f"{c['ece'] * 100:.1f}%" for c in engine_cal],
+                         ["verified prefixes"] + [str(c["count"]) for c in engine_cal]]) if engine_cal else "(not measured)"
     quotes = "\n\n".join(
         f"**{s['kind']}** — prompt `{json.dumps(s['prompt'], ensure_ascii=False)}`, "
         f"{', '.join(f'{k}={v}' for k, v in s['settings'].items())}, {s['max_tokens']} tokens:\n\n"
@@ -106,6 +112,7 @@ def render(card: dict, train: dict) -> str:
         epochs=train["tokens_a"] / train["train_tokens"], train_tokens=train["train_tokens"] / 1e6,
         val_tokens=train["val_tokens"] / 1e3, best=train["best_val_loss"], ce=h["ce"], ppl=h["perplexity"],
         crops=h["crops"], seq=h["seq_len"], history=hist, acceptance=_table(acc_rows), calibration=cal,
+        calibration_engine=cal_engine,
         quotes=quotes, machine=card["machine"], date=card["measured"], settings=json.dumps(train["settings"]))
 
 
@@ -173,6 +180,12 @@ the cumulative products of confidences against the expected survival of each pre
 (products of 1 - TV), expected calibration error per position:
 
 {calibration}
+
+The same check through the engine: DSpark k=5 with fixed verification at temperature 1 on
+the held-out prompts above (the engine's `SpecMetrics.calibration()`: the product of the
+confidences of drafts 1..k, binned, against whether verification accepted all of them):
+
+{calibration_engine}
 
 ## Samples (engine, float32, from the checkpoint)
 
