@@ -155,18 +155,17 @@ def main(argv: list[str] | None = None) -> str:
     llm.runner.spec.drafter = RandomDrafter(llm.model_config.vocab_size)
     res.update(curve_record(llm, []), config=cfg.to_dict(), engine_config=llm.config.to_dict())
     costs = weight_costs(llm.model)
-    deadline, rows = t_start + args.budget_s, []
-    for b in batches:
-        rows += measure_batch(llm, b, max_v, steps, deadline, costs)
-    res["rows"] = rows
-    res["complete"] = len(rows) == len(batches) * max_v
-    res["wall_s"] = round(time.perf_counter() - t_start, 1)
     os.makedirs(args.out, exist_ok=True)
     # smoke files are not named spec_step_curve_*.json: the engine never loads them
     name = "smoke_spec_step_curve.json" if args.smoke else \
         f"spec_step_curve_{res['hardware'].replace(' ', '_').lower()}_mini.json"
-    with open(os.path.join(args.out, name), "w") as f:
-        json.dump(res, f, indent=1, default=str)
+    deadline, rows = t_start + args.budget_s, []
+    for b in batches:  # the JSON is rewritten after every batch: a killed run keeps what it measured
+        rows += measure_batch(llm, b, max_v, steps, deadline, costs)
+        res.update(rows=rows, complete=len(rows) == len(batches) * max_v,
+                   wall_s=round(time.perf_counter() - t_start, 1))
+        with open(os.path.join(args.out, name), "w") as f:
+            json.dump(res, f, indent=1, default=str)
     print(f"wrote {os.path.join(args.out, name)} (complete: {res['complete']}, {res['wall_s']} s)")
     print(f"{'batch':>6} {'verify/req':>10} {'rows':>6} {'step ms':>9} {'ms/row':>8} {'GB/s':>8} {'HBM':>7} {'TFLOP/s':>8} "
           f"{'peak':>7}")
