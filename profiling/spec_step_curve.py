@@ -4,7 +4,8 @@ budget loads (deepinfer/spec/step_curve.py finds the JSON by hardware + model si
     python profiling/spec_step_curve.py            # GPU: `mini` + 1 MTP layer, bf16, random weights (~2-3 min)
     python profiling/spec_step_curve.py --smoke    # CPU, tiny config, seconds
 
-1. Greedy check on the device: speculation on (MTP, k=3) == off, token for token (tiny).
+1. Greedy checks on the device, speculation on (k=3) == off token for token: tiny V4 with
+   its MTP stage, tiny V4.1 with its DSpark drafter under a compact bounded replay.
 2. Per batch B (1, 16, 64): B requests (32-token prompts) are prefilled once; then for
    every verify size v = 1..6 per request the drafts are set to v - 1 random tokens
    (fixed length; v = 1 is a plain decode step through the same speculative path), one
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.engine.request import Request  # noqa: E402
-from deepinfer.models.tiny import mini_config, tiny_config, write_tiny_checkpoint  # noqa: E402
+from deepinfer.models.tiny import mini_config, tiny_config, tiny_v41_config, write_tiny_checkpoint  # noqa: E402
 from deepinfer.profiling.records import git_commit  # noqa: E402
 from deepinfer.spec import RandomDrafter  # noqa: E402
 from deepinfer.spec.step_curve import curve_record  # noqa: E402
@@ -43,12 +44,13 @@ HBM_BYTES_S, PEAK_FLOP_S = 4.2e12, 800e12  # one H200 (REFERENCE.md section 5)
 PROMPT_LEN = 32
 
 
-def greedy_check(accel: str) -> str:
+def greedy_check(accel: str, cfg, **extra) -> str:
+    """Greedy output with speculation (k=3, the checkpoint's drafter) == without, on ``accel``."""
     path = tempfile.mkdtemp()
-    write_tiny_checkpoint(path, seed=0, cfg=tiny_config(vocab_size=512, sliding_window=32))
+    write_tiny_checkpoint(path, seed=0, cfg=cfg)
     prompts = [[(5 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate((5, 40, 140, 77))]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    kw = dict(dtype="float32", accelerator=accel, max_model_len=512, max_num_seqs=8)
+    kw = dict(dtype="float32", accelerator=accel, max_model_len=512, max_num_seqs=8, **extra)
     off = LLM(path, **kw).generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
     on = LLM(path, num_speculative_tokens=3, **kw).generate(prompt_token_ids=prompts, sampling_params=sp,
                                                              use_tqdm=False)
@@ -139,8 +141,11 @@ def main(argv: list[str] | None = None) -> str:
     res: dict = {"commit": commit, "dirty": dirty, "accelerator": accel, "torch": torch.__version__,
                  "prompt_len": PROMPT_LEN, "timed_steps_per_point": steps, "drafter": "RandomDrafter (fixed length)"}
     t = time.perf_counter()
-    res["greedy_spec_equals_off"] = greedy_check(accel)
-    print(f"greedy, speculation on (MTP k=3) == off: {res['greedy_spec_equals_off']} ({time.perf_counter() - t:.1f}s)")
+    res["greedy_spec_equals_off"] = greedy_check(accel, tiny_config(vocab_size=512, sliding_window=32))
+    res["greedy_spec_equals_off_v41_dspark"] = greedy_check(  # V4.1 DSpark under a compact bounded replay
+        accel, tiny_v41_config(vocab_size=512, sliding_window=32), swa_replay_mode="compact", swa_replay_keep=40)
+    print(f"greedy, speculation on (k=3) == off: V4 MTP {res['greedy_spec_equals_off']}, V4.1 DSpark "
+          f"{res['greedy_spec_equals_off_v41_dspark']} ({time.perf_counter() - t:.1f}s)")
     path = tempfile.mkdtemp()
     if args.smoke:
         cfg, dtype = tiny_config(vocab_size=512, sliding_window=32), "float32"
