@@ -63,7 +63,8 @@ def _attention_kernel(q_ptr, pos_ptr, keys_ptr, ent_ptr, mask_ptr, sink_ptr, out
         if b < n_win:
             slot = b * BLOCK_KEYS + j
             kpos = p - W + 1 + slot
-            ok = (slot < W) & (kpos >= 0) & (kpos - k_lo < n_keys)
+            # kpos >= k_lo (>= 0) is the contract's window start; also keeps every read inside keys
+            ok = (slot < W) & (kpos >= k_lo) & (kpos >= 0) & (kpos - k_lo < n_keys)
             rows = keys_ptr + tl.where(ok, kpos - k_lo, 0).to(tl.int64) * stride_k
         else:
             e = (b - n_win) * BLOCK_KEYS + j
