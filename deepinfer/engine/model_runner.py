@@ -2,11 +2,20 @@
 -> ModelRunnerOutput.
 
 This is the reference (eager) runner used on CPU; the GPU fast path plugs in behind the
-same `execute` contract.
+same contract. A step runs in three calls so that async scheduling can interleave host
+work with it (``execute`` chains them for the synchronous loop):
+
+* ``launch(so)``: inputs, forward and the sampled rows' logits are issued (on a GPU the
+  host does not wait for them);
+* ``sample(step, grammar)``: grammar bitmask, sampling, the D2H copy of the results on a
+  side stream (deepinfer/engine/transfer.py); with async scheduling a constrained step
+  calls it once the previous step's tokens reached the matchers;
+* ``collect(step)``: waits for that copy only and returns the ModelRunnerOutput.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,14 +23,28 @@ import torch
 from deepinfer import batch_invariant
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.sampler import Sampler, SamplingTensors
+from deepinfer.engine.transfer import HostResult, ResultCopier, to_device
 from deepinfer.models.deepseek_v4 import DeepseekV4Model
 from deepinfer.models.fast.prefill import PrefillPath
 from deepinfer.models.fast.runner import FastPath
 from deepinfer.models.kv_cache import ForwardBatch, KVCache, SeqMeta
-from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, phase
+from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, WAIT, phase
 
 if TYPE_CHECKING:
+    from deepinfer.engine.token_buffer import DeviceTokenBuffer
     from deepinfer.structured.batch import StructuredOutputBatch
+
+
+@dataclass
+class LaunchedStep:
+    """A step between ``ModelRunner.launch`` and ``collect``: ``picks`` index the
+    scheduled requests that sample, ``logits`` their rows (device) until sampled."""
+
+    so: SchedulerOutput
+    picks: list[int]
+    logits: torch.Tensor | None = None
+    result: HostResult | None = None  # sampled tokens / logprobs on their way to the host
+    output: ModelRunnerOutput | None = None  # set directly by the speculative path
 
 
 class ModelRunner:
@@ -40,6 +63,9 @@ class ModelRunner:
         self.fast = FastPath.create(model, cache)
         #: GPU fast path of prefill / mixed steps (deepinfer/models/fast/prefill.py); None = reference
         self.fast_prefill = PrefillPath.create(model, cache)
+        #: async scheduling (deepinfer/engine/token_buffer.py): placeholder inputs gathered on the device
+        self.token_buffer: DeviceTokenBuffer | None = None
+        self.copier = ResultCopier(self.device)
 
     def build_batch(self, so: SchedulerOutput) -> ForwardBatch:
         ids: list[int] = []
@@ -50,21 +76,25 @@ class ModelRunner:
                                 req.num_prompt_tokens))
             ids.extend(req.token_ids)
             positions.extend(range(req.start_pos, req.start_pos + req.num_tokens))
-        return ForwardBatch(torch.tensor(ids, dtype=torch.long, device=self.device),
-                            torch.tensor(positions, dtype=torch.long, device=self.device), seqs, self.replay)
+        batch = ForwardBatch(to_device(ids, torch.long, self.device), to_device(positions, torch.long, self.device),
+                             seqs, self.replay)
+        if self.token_buffer is not None:
+            self.token_buffer.fill(so, batch)
+        return batch
+
+    def execute(self, so: SchedulerOutput, grammar: StructuredOutputBatch | None = None) -> ModelRunnerOutput:
+        """Run one step and wait for its results. ``grammar`` (structured output) masks its
+        requests' logits rows in place before sampling. Every request whose chunk reaches
+        its last known token samples one token from the logits of its last row."""
+        return self.collect(self.sample(self.launch(so), grammar))
 
     @torch.no_grad()
-    @batch_invariant.scoped  # the whole step (model, logits, sampler) in the runner's mode
-    def execute(self, so: SchedulerOutput, grammar: StructuredOutputBatch | None = None) -> ModelRunnerOutput:
-        """Run one step. ``grammar`` (structured output) masks its requests' logits
-        rows in place before sampling. Every request whose chunk reaches its last known token samples
-        one token from the logits of its last row."""
-        if self.spec is not None:  # verify drafts + draft the next ones (deepinfer/spec/runner.py)
-            return self.spec.execute(self, so, grammar)
-        req_ids = [r.req_id for r in so.scheduled]
-        sampled: list[list[int]] = [[] for _ in so.scheduled]
-        if not so.scheduled:
-            return ModelRunnerOutput(req_ids, sampled)
+    @batch_invariant.scoped  # model, logits and (in sample) the sampler in the runner's mode
+    def launch(self, so: SchedulerOutput) -> LaunchedStep:
+        """Issue the step's inputs, forward and sampled rows' logits."""
+        step = LaunchedStep(so, [i for i, r in enumerate(so.scheduled) if r.needs_sample])
+        if self.spec is not None or not so.scheduled:  # speculative: verify + draft run in sample()
+            return step
         with phase(PREPARE_INPUTS):
             batch = self.build_batch(so)
             fast = self.fast
@@ -79,28 +109,58 @@ class ModelRunner:
             streams = None
             if fast_logits is None:
                 streams = self.model(batch, self.cache) if prefill is None else self.fast_prefill.forward(batch, prefill)
-        picks = [i for i, r in enumerate(so.scheduled) if r.needs_sample]
+        if step.picks:
+            seqs = batch.seqs
+            rows = to_device([seqs[i].offset + seqs[i].length - 1 for i in step.picks], torch.long, self.device)
+            with phase(LOGITS):
+                step.logits = self.model.compute_logits(streams[rows]) if fast_logits is None else fast_logits[rows]
+        return step
+
+    @torch.no_grad()
+    @batch_invariant.scoped
+    def sample(self, step: LaunchedStep, grammar: StructuredOutputBatch | None = None) -> LaunchedStep:
+        """Mask (``grammar``), sample and start copying the results to the host."""
+        so = step.so
+        if self.spec is not None:  # verify drafts + draft the next ones (deepinfer/spec/runner.py)
+            step.output = self.spec.execute(self, so, grammar)
+            return step
+        if not step.picks:
+            return step
+        reqs = [so.scheduled[i] for i in step.picks]
+        logits, step.logits = step.logits, None
+        if grammar is not None:  # host fill overlaps the async forward on a GPU
+            grammar.apply(logits, [r.req_id for r in reqs])
+        params = SamplingTensors.from_params([r.sampling_params for r in reqs],
+                                             [r.start_pos + r.num_tokens for r in reqs], self.device)
+        with phase(SAMPLE):
+            out = self.sampler.sample(logits, params)
+        if self.token_buffer is not None:
+            self.token_buffer.record(so, reqs, out.token_ids)
+        tensors = [out.token_ids, out.logprobs]
+        if out.top_logprobs is not None:
+            tensors += list(out.top_logprobs)
+        step.result = self.copier.start(tensors)
+        return step
+
+    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """The step's ModelRunnerOutput; waits only for its own results' copy."""
+        if step.output is not None:
+            return step.output
+        so = step.so
+        req_ids = [r.req_id for r in so.scheduled]
+        sampled: list[list[int]] = [[] for _ in so.scheduled]
+        if step.result is None:
+            return ModelRunnerOutput(req_ids, sampled)
+        with phase(WAIT):  # where the host waits for the device
+            host = step.result.wait()
+        tokens, lps = host[0].tolist(), host[1].tolist()
+        top_ids, top_vals = (host[2].tolist(), host[3].tolist()) if len(host) > 2 else (None, None)
         logprobs: list[list[float]] = [[] for _ in so.scheduled]
         tops: list[list[list[tuple[int, float]]]] = [[] for _ in so.scheduled]
-        any_top = any(so.scheduled[i].sampling_params.top_logprobs for i in picks)
-        if picks:
-            rows = torch.tensor([batch.seqs[i].offset + batch.seqs[i].length - 1 for i in picks], device=self.device)
-            with phase(LOGITS):
-                logits = self.model.compute_logits(streams[rows]) if fast_logits is None else fast_logits[rows]
-            if grammar is not None:  # host fill overlaps the async forward on a GPU
-                grammar.apply(logits, [so.scheduled[i].req_id for i in picks])
-            reqs = [so.scheduled[i] for i in picks]
-            params = SamplingTensors.from_params([r.sampling_params for r in reqs],
-                                                 [r.start_pos + r.num_tokens for r in reqs], self.device)
-            with phase(SAMPLE):  # .tolist() is where the host waits for the device
-                out = self.sampler.sample(logits, params)
-                tokens, lps = out.token_ids.tolist(), out.logprobs.tolist()
-            top_ids = top_vals = None
-            if out.top_logprobs is not None:
-                top_ids, top_vals = out.top_logprobs[0].tolist(), out.top_logprobs[1].tolist()
-            for j, i in enumerate(picks):
-                sampled[i] = [tokens[j]]
-                logprobs[i] = [lps[j]]
-                k = so.scheduled[i].sampling_params.top_logprobs
-                tops[i] = [list(zip(top_ids[j][:k], top_vals[j][:k])) if k and top_ids is not None else []]
+        any_top = any(so.scheduled[i].sampling_params.top_logprobs for i in step.picks)
+        for j, i in enumerate(step.picks):
+            sampled[i] = [tokens[j]]
+            logprobs[i] = [lps[j]]
+            k = so.scheduled[i].sampling_params.top_logprobs
+            tops[i] = [list(zip(top_ids[j][:k], top_vals[j][:k])) if k and top_ids is not None else []]
         return ModelRunnerOutput(req_ids, sampled, logprobs, tops if any_top else None)

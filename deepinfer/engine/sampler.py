@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.engine import rng
+from deepinfer.engine.transfer import to_device
 from deepinfer.models.invariant_ops import row_cumsum
 from deepinfer.sampling_params import SamplingParams
 
@@ -79,8 +80,8 @@ class SamplingTensors:
         greedy = [p.is_greedy for p in params]
         assert all(p.seq_seed is not None for p in params)
 
-        def t(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+        def t(values: list, dtype: torch.dtype) -> torch.Tensor:  # no host sync on CUDA (async scheduling)
+            return to_device(values, dtype, device)
 
         return cls(
             temperature=t([1.0 if g else p.temperature for p, g in zip(params, greedy)],

@@ -24,7 +24,7 @@ __all__ = ["prefill_chart", "decode_chart", "latency_throughput_chart", "steps_f
            "refresh_figure"]
 
 _KIND_COLORS = {"step": "#d0d0d0", "schedule": "#1f77b4", "update": "#9467bd", "prepare_inputs": "#17becf",
-                "model": "#2ca02c", "logits": "#98df8a", "sample": "#ff7f0e", "device": "#d62728"}
+                "model": "#2ca02c", "logits": "#98df8a", "sample": "#ff7f0e", "wait": "#7f7f7f", "device": "#d62728"}
 
 
 def _make(fig: go.Figure, widget: bool) -> go.Figure:

@@ -23,7 +23,7 @@ try:  # the nvtx package is optional at run time
 except ImportError:  # pragma: no cover - exercised only where nvtx is missing
     _nvtx = None
 
-__all__ = ["phase", "PHASES", "SCHEDULE", "PREPARE_INPUTS", "MODEL", "LOGITS", "SAMPLE", "UPDATE",
+__all__ = ["phase", "PHASES", "SCHEDULE", "PREPARE_INPUTS", "MODEL", "LOGITS", "SAMPLE", "WAIT", "UPDATE",
            "NVTX_DOMAIN"]
 
 NVTX_DOMAIN = "deepinfer"
@@ -32,12 +32,14 @@ PREPARE_INPUTS = "deepinfer.prepare_inputs"
 MODEL = "deepinfer.model"
 LOGITS = "deepinfer.logits"
 SAMPLE = "deepinfer.sample"
+#: the host blocked on a step's results (ModelRunner.collect): time the host is NOT working
+WAIT = "deepinfer.wait"
 UPDATE = "deepinfer.update"
 #: Every phase name the engine emits, in step order. Steps themselves are delimited by
 #: the torch profiler's ``ProfilerStep#N`` ranges (see deepinfer/profiling/trace.py).
-PHASES: tuple[str, ...] = (SCHEDULE, PREPARE_INPUTS, MODEL, LOGITS, SAMPLE, UPDATE)
+PHASES: tuple[str, ...] = (SCHEDULE, PREPARE_INPUTS, MODEL, LOGITS, SAMPLE, WAIT, UPDATE)
 _COLORS = {SCHEDULE: "blue", PREPARE_INPUTS: "cyan", MODEL: "green", LOGITS: "green",
-           SAMPLE: "orange", UPDATE: "purple"}
+           SAMPLE: "orange", WAIT: 0x808080, UPDATE: "purple"}  # ints: named colours beyond nvtx's own need matplotlib
 
 
 def _torch_profiler_on() -> bool:
