@@ -49,6 +49,7 @@ KNOWN_ENV_VARS: dict[str, str] = {
     "DEEPINFER_USE_NEXTN_DECODE": "int >= 0: max draft length (0 = speculation off)",
     "DEEPINFER_ENABLE_MTP_VARLEN": "0|1|true|false: confidence-scheduled variable verification",
     "DEEPINFER_CPU_THREADS": "int >= 1: torch intra-op threads on CPU (default: 1 for small models)",
+    "DEEPINFER_ASYNC_SCHEDULING": "0|1|true|false (default 1): plan step N+1 while step N runs on the device",
     "DEEPINFER_CACHE_DIR": "where the embedded default checkpoint is written (default ~/.cache/deepinfer)",
     "DEEPINFER_TEST_SEED": "tests only: replay a failing test's random seed",
 }
@@ -60,6 +61,7 @@ _ENV_FIELDS: dict[str, str] = {
     "DEEPINFER_USE_NEXTN_DECODE": "num_speculative_tokens",
     "DEEPINFER_ENABLE_MTP_VARLEN": "enable_mtp_varlen",
     "DEEPINFER_CPU_THREADS": "cpu_threads",
+    "DEEPINFER_ASYNC_SCHEDULING": "async_scheduling",
 }
 
 
@@ -86,7 +88,7 @@ def _parse_env(name: str, raw: str) -> Any:
         return ConfigError(f"environment variable {name}={raw!r} is invalid; allowed: {allowed}",
                            field=name)
 
-    if name in ("DEEPINFER_BATCH_INVARIANT", "DEEPINFER_ENABLE_MTP_VARLEN"):
+    if name in ("DEEPINFER_BATCH_INVARIANT", "DEEPINFER_ENABLE_MTP_VARLEN", "DEEPINFER_ASYNC_SCHEDULING"):
         if raw.lower() not in _BOOL_WORDS:
             raise bad("0, 1, true, false (case-insensitive)")
         return _BOOL_WORDS[raw.lower()]
@@ -142,7 +144,8 @@ class EngineConfig:
     batch_invariant: bool = False
     num_speculative_tokens: int = 0
     enable_mtp_varlen: bool = False
-    async_scheduling: bool = False
+    #: plan step N+1 while step N runs (deepinfer/engine/async_engine.py); False = synchronous loop
+    async_scheduling: bool = True
     #: field -> where its value came from ("default", "kwarg", "env VAR", "derived").
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 

@@ -42,6 +42,9 @@ from deepinfer.tokenizer import Tokenizer, load_tokenizer
 class LLM:
     """An engine instance: model, KV cache, scheduler and runner in one process."""
 
+    #: set by engines that must keep the synchronous loop: the reason, reported as ``async_fallback``
+    async_scheduling_unsupported: str | None = None
+
     def __new__(cls, *args: object, **kwargs: object) -> LLM:
         """``data_parallel_size`` / ``expert_parallel_size`` > 1 builds the multi-process
         engine instead (`deepinfer.parallel.dp_engine.DPLLM`, a subclass of this one)."""
@@ -105,12 +108,13 @@ class LLM:
         self.structured = StructuredOutputManager(self.tokenizer, mcfg.vocab_size, self.eos_token_id,
                                                   self.device, cfg.max_num_seqs)
         self.metrics = MetricsCollector(self.scheduler)  # host clocks only; see deepinfer/metrics.py
-        # async scheduling (deepinfer/engine/async_engine.py). Sync loop kept with speculation, in the
-        # DP/EP engines, and with the GPU fast path until its prepare() takes decode input ids from
-        # batch.input_ids (gathered on the device) instead of ScheduledRequest.token_ids (placeholders).
+        # async scheduling (deepinfer/engine/async_engine.py), the default loop
         self.async_loop = None
-        if (cfg.async_scheduling and cfg.num_speculative_tokens == 0 and type(self) is LLM
-                and getattr(self.runner, "fast", None) is None):
+        #: why the synchronous loop runs although async scheduling is configured (None otherwise)
+        self.async_fallback: str | None = None
+        if cfg.async_scheduling and self.async_scheduling_unsupported is not None:
+            self.async_fallback = self.async_scheduling_unsupported
+        elif cfg.async_scheduling:
             from deepinfer.engine.async_engine import AsyncStepLoop
             self.async_loop = AsyncStepLoop(self)
 

@@ -1,6 +1,8 @@
 """Async scheduling end to end on the tiny model (CPU): identical outputs to the
 synchronous loop across a mixed workload, the device-side gather with debug sentinels,
-and the structured-output fallback."""
+structured output composed with it (forward of N+1 before N's token reaches the grammar),
+the GPU fast path's decode steps, the explicit fallback of data/expert-parallel ranks and
+the switch that turns it off."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def make_llm(ckpt: str, async_scheduling: bool, **kw) -> LLM:
     llm = LLM(ckpt, dtype="float32", async_scheduling=async_scheduling, **kw)
     assert (llm.async_loop is not None) == async_scheduling
     if llm.async_loop is not None:
-        llm.async_loop.runner.debug = True  # sentinels: a wrong gather fails loudly
+        llm.async_loop.tokens.debug = True  # sentinels: a wrong gather fails loudly
     return llm
 
 
@@ -119,22 +121,41 @@ def test_async_stress_with_preemption_and_early_eos(ckpt):
 
 def test_wrong_gather_fails_loudly(ckpt):
     llm = make_llm(ckpt, True)
-    runner = llm.async_loop.runner
+    buf = llm.async_loop.tokens
     bt = {g: [0] for g in llm.kv_manager.pools}
     so = SchedulerOutput([ScheduledRequest("x", [5, PLACEHOLDER_TOKEN_ID], 0, bt, 3, True, True,
                                            SamplingParams(), 0, 2)], 2)
     with pytest.raises(RuntimeError, match="placeholder"):
-        runner._build_batch_hook(so)  # slot 3 never sampled: the sentinel -1 is gathered
-    runner.last_tokens[3] = 42
-    batch = runner._build_batch_hook(so)
+        llm.runner.build_batch(so)  # slot 3 never sampled: the sentinel -1 is gathered
+    buf.last[3] = 42
+    batch = llm.runner.build_batch(so)
     assert batch.input_ids.tolist() == [5, 42]
-    assert runner.last_tokens[3].item() == PLACEHOLDER_TOKEN_ID  # consumed (debug poison)
+    assert buf.last[3].item() == PLACEHOLDER_TOKEN_ID  # consumed (debug poison)
     with pytest.raises(RuntimeError, match="placeholder"):
-        runner._build_batch_hook(so)  # a second read of the same sample is a wrong gather
+        llm.runner.build_batch(so)  # a second read of the same sample is a wrong gather
 
 
-def test_structured_output_falls_back_to_sync_steps():
+def _spy(monkeypatch, cls, name, record):
+    """Wrap a real method so each call is logged (the method still runs)."""
+    orig = getattr(cls, name)
+
+    def wrapped(self, *args, **kwargs):
+        record(self, *args)
+        return orig(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, wrapped)
+
+
+def test_structured_output_composes_with_async(monkeypatch):
+    """The forward of step N+1 is launched before step N's token reaches the grammar; only
+    its sampling waits for the bitmask. Outputs equal the synchronous loop's, and neither
+    the matchers nor the detokenizer ever see a placeholder."""
     pytest.importorskip("xgrammar")
+    from deepinfer.detokenizer import IncrementalDetokenizer
+    from deepinfer.engine.model_runner import ModelRunner
+    from deepinfer.structured.manager import StructuredOutputManager
+    from deepinfer.structured.matcher import RequestGrammar
+
     kw = dict(dtype="float32", max_model_len=384, max_num_batched_tokens=48, max_num_seqs=8)
     prompts = ["Answer yes or no. " * 6, "Free text here.", "Pick one."]
     params = [SamplingParams(max_tokens=16, temperature=0.0, structured_output={"regex": r"(yes|no|maybe)"}),
@@ -142,30 +163,67 @@ def test_structured_output_falls_back_to_sync_steps():
               SamplingParams(max_tokens=16, temperature=1.0, seq_seed=9,
                              structured_output={"json": {"type": "object", "properties": {
                                  "a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}})]
-    ref = [(o.token_ids, o.finish_reason) for o in LLM(**kw).generate(prompts, params, use_tqdm=False)]
-    asy = LLM(async_scheduling=True, **kw)
-    asy.async_loop.runner.debug = True
-    got = [(o.token_ids, o.finish_reason) for o in asy.generate(prompts, params, use_tqdm=False)]
-    assert got == ref
-    assert asy.async_loop.num_sync_fallbacks > 0
+    ref = [(o.token_ids, o.finish_reason) for o in LLM(async_scheduling=False, **kw).generate(
+        prompts, params, use_tqdm=False)]
+    seen: list[int] = []
+    log: list[tuple] = []
+    _spy(monkeypatch, RequestGrammar, "accept", lambda g, token: seen.append(token))
+    _spy(monkeypatch, IncrementalDetokenizer, "update", lambda d, ids: seen.extend(ids))
+    _spy(monkeypatch, ModelRunner, "launch", lambda r, so: log.extend(
+        ("launch", s.req_id, s.output_len) for s in so.scheduled if s.needs_sample))
+    _spy(monkeypatch, StructuredOutputManager, "advance",
+         lambda m, req: log.append(("advance", req.req_id, req.num_output_tokens)))
+    asy = LLM(**kw)  # async scheduling is the default
+    asy.async_loop.tokens.debug = True
+    outs = asy.generate(prompts, params, use_tqdm=False)
+    assert [(o.token_ids, o.finish_reason) for o in outs] == ref
+    assert seen and min(seen) >= 0, "a placeholder reached a matcher or the detokenizer"
+    stats = asy.async_loop.stats
+    assert stats.grammar_waits > 0 and asy.async_loop.num_sync_fallbacks == 0
+    # constrained request r: a launch that samples output index m came before the advance
+    # that fed output m - 1 (its input, a placeholder on the device) to r's matcher
+    constrained = {outs[0].request_id, outs[2].request_id}
+    early = [e for k, e in enumerate(log) if e[0] == "launch" and e[1] in constrained and e[2] > 0
+             and any(a == ("advance", e[1], e[2]) for a in log[k + 1:])]
+    assert early, "no constrained step was launched before its previous token reached the grammar"
     assert not asy.structured.grammars and not asy.async_loop.busy
 
 
-def test_step_clock_measures_both_modes(ckpt):
-    from deepinfer.profiling.overlap import StepClock
-    from deepinfer.profiling.timeline import idle_gaps
-
-    ids, sp = [[3 + i] * 20 for i in range(4)], SamplingParams(max_tokens=6, ignore_eos=True)
+def test_fast_path_decode_steps_compose_with_async(ckpt, monkeypatch):
+    """The fast path (torch references on CPU, graph buffers emulated) reads decode input ids
+    from the device batch, where the placeholders were gathered: async == sync."""
+    monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
+    prompts = [[(3 * i + 7 * j) % VOCAB for j in range(n)] for i, n in enumerate((1, 9, 40))]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, top_logprobs=2)
+    got = {}
     for mode in (False, True):
-        llm = make_llm(ckpt, mode)
-        rec = StepClock.attach(llm)
-        llm.generate(prompt_token_ids=ids, sampling_params=sp, use_tqdm=False)
-        rec.detach()
-        assert "execute" not in vars(llm.runner) and "step" not in vars(llm)
-        s = rec.summary()
-        assert s["device_steps"] == 6 and s["steps"] >= 6 and 0 < s["device_busy_frac"] <= 1.0 + 1e-9
-        assert s["host_ms_per_step"] > 0 and s["mean_gap_ms"] >= 0
-        ev = rec.events()
-        assert set(ev["lane"]) == {"step", "device"} and len(idle_gaps(ev)) > 0
-        if mode:  # the device's work ran in the worker thread
-            assert set(ev[ev["lane"] == "device"]["tid"]) == {"deepinfer-step_0"}
+        llm = make_llm(ckpt, mode, max_num_seqs=4)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+        got[mode] = [(o.token_ids, o.top_logprobs) for o in outs]
+        assert llm.runner.fast.stats["graph_steps"] > 0
+    assert got[True] == got[False]
+    assert llm.async_loop.tokens.num_gathered >= 3 * 6  # decode inputs came from the device buffer
+
+
+def test_parallel_ranks_fall_back_explicitly(ckpt):
+    from deepinfer.parallel.comm import EPComm
+    from deepinfer.parallel.rank_engine import RankLLM
+
+    rank = RankLLM(ckpt, comm=EPComm(), dtype="float32", max_model_len=256, max_num_seqs=4)
+    assert rank.config.async_scheduling and rank.async_loop is None
+    assert "lockstep" in rank.async_fallback
+    outs = rank.generate_rank(prompt_token_ids=[[1, 2, 3]], sampling_params=[SamplingParams(max_tokens=3)])
+    assert len(outs[0].token_ids) == 3
+    assert make_llm(ckpt, True).async_fallback is None
+
+
+def test_async_scheduling_switch():
+    from deepinfer.config import EngineConfig
+    from deepinfer.errors import ConfigError
+
+    assert EngineConfig.from_kwargs(environ={}).async_scheduling
+    assert not EngineConfig.from_kwargs(environ={"DEEPINFER_ASYNC_SCHEDULING": "0"}).async_scheduling
+    assert EngineConfig.from_kwargs(environ={"DEEPINFER_ASYNC_SCHEDULING": "0"}, async_scheduling=True).async_scheduling
+    with pytest.raises(ConfigError, match="DEEPINFER_ASYNC_SCHEDULING"):
+        EngineConfig.from_kwargs(environ={"DEEPINFER_ASYNC_SCHEDULING": "yes"})

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.engine.async_engine import AsyncScheduler
+from deepinfer.engine.async_scheduler import AsyncScheduler
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 

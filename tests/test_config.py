@@ -28,7 +28,7 @@ def test_defaults() -> None:
     assert c.expert_parallel_size == 1 and c.data_parallel_size == 1
     assert c.accelerator == "cpu" and not c.batch_invariant
     assert c.num_speculative_tokens == 0 and not c.enable_mtp_varlen
-    assert not c.async_scheduling and not c.deterministic
+    assert c.async_scheduling and not c.deterministic  # async scheduling is the default loop
     assert c.sources["accelerator"] == "derived"
     assert EngineConfig() == c  # direct construction needs no environment
 

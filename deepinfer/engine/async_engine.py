@@ -1,203 +1,79 @@
-"""Async scheduling: plan step N+1 while step N runs (vLLM v1's idea, a thin layer).
+"""Async scheduling: plan and launch step N+1 before step N's results reach the host.
 
-Three pieces, none of which forks the synchronous scheduler or runner:
+The default engine loop (``EngineConfig.async_scheduling``, on unless turned off). It is a
+thin layer over the synchronous pieces:
 
-* :class:`AsyncScheduler` wraps :class:`~deepinfer.engine.scheduler.Scheduler`. After
-  ``schedule()`` it advances ``num_computed_tokens`` of every scheduled request at once
-  and counts one ``num_output_placeholders`` per request that samples, so the next
-  ``schedule()`` feeds the not-yet-known token (``PLACEHOLDER_TOKEN_ID``) and samples the
-  one after it. ``update(N)`` (applied after step N+1 was planned) rewinds the in-flight
-  counts, lets the base ``update`` append the real tokens and run stop checks, then puts
-  step N+1's counts back. A request finished at step N has its step-N+1 work discarded
-  (the base update skips unknown requests; its blocks were freed at the finish). A
-  request preempted while its step was in flight keeps its token: it is appended here.
-* :class:`AsyncRunner` wraps a :class:`~deepinfer.engine.model_runner.ModelRunner`: a
-  device tensor ``last_tokens[state_slot]`` receives every sampled token on the device,
-  and the next step's placeholder input ids are gathered from it on the device (no host
-  round trip). Steps run in order in one worker thread, which returns a future whose
-  ``result()`` is the ``ModelRunnerOutput``; the main thread schedules, applies updates
-  and detokenizes meanwhile (torch releases the GIL inside ops). ``debug=True`` poisons
-  consumed slots with -1 and asserts on the device that no placeholder survives a gather.
-* :class:`AsyncStepLoop` is the engine loop: schedule N+1 -> submit N+1 -> wait N ->
-  update N -> stop strings / detokenize N.
+* :class:`~deepinfer.engine.async_scheduler.AsyncScheduler` plans N+1 with placeholders
+  for the tokens N is still sampling (the synchronous scheduler underneath);
+* :class:`~deepinfer.engine.token_buffer.DeviceTokenBuffer` keeps the last sampled
+  token per state slot on the device and fills the placeholders there;
+* the runner's launch / sample / collect split (deepinfer/engine/model_runner.py) with
+  results copied to pinned host memory on a side stream (deepinfer/engine/transfer.py).
 
-Fallbacks (hooks for the next issues): a step whose in-flight predecessor holds a request
-with structured output is scheduled synchronously (its grammar mask needs the previous
-token; ``StructuredOutputManager.advance`` only ever sees real tokens); with speculative
-decoding the engine keeps the synchronous loop (``LLM`` does not build this loop).
-Placeholders never reach logits processors, penalties or matchers: those read
-``output_token_ids`` / ``all_token_ids``, which only ever hold real tokens.
+One :meth:`AsyncStepLoop.step`, all on the calling thread::
+
+    schedule N+1 -> launch N+1 -> [collect + update N] -> sample N+1 -> collect + update N
+                                   (only when N+1's grammar mask needs N's token)
+
+On a GPU every call before the collect only enqueues device work, so the device runs
+N+1 right after N while the host updates N, detokenises, checks stop strings and plans
+N+2. On CPU the device is the calling thread: the same order, no overlap, and torch
+profiler traces hold every op (nothing runs on another thread).
+
+Compositions:
+
+* Structured output: N+1's forward is launched before N's token reaches the grammar;
+  only N+1's sampling waits for N (collect, update, matcher advance, host bitmask fill),
+  counted in ``stats.grammar_waits``. Matchers only ever see real tokens: they read
+  ``output_token_ids`` after ``update``.
+* Speculative decoding: N+1's drafts come from N's verification, so every step first
+  lands the step in flight (an explicit per-step sync, ``stats.speculative_syncs``). The
+  confidence-scheduled budget comes from the previous plan's confidences, split with the
+  newest (``SpecDecoder.attach``), in both loops: the rule DeepInfer's async scheduler
+  uses (REFERENCE.md sections 3 and 8), and the one that keeps verification lossless.
+* The GPU fast path reads decode input ids from the device batch (already gathered), so
+  it composes as is. Data-parallel / expert-parallel ranks keep the synchronous loop
+  (``LLM.async_fallback`` says why).
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from deepinfer.engine.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
-from deepinfer.engine.scheduler import Scheduler
-from deepinfer.engine.stop import check_stop
+from deepinfer.engine.async_scheduler import AsyncScheduler
+from deepinfer.engine.model_runner import LaunchedStep
+from deepinfer.engine.outputs import SchedulerOutput
+from deepinfer.engine.request import PLACEHOLDER_TOKEN_ID
+from deepinfer.engine.token_buffer import DeviceTokenBuffer
 from deepinfer.profiling.markers import SCHEDULE, UPDATE, phase
 
 if TYPE_CHECKING:
-    from deepinfer.engine.model_runner import ModelRunner
     from deepinfer.llm import LLM
 
-__all__ = ["AsyncScheduler", "AsyncRunner", "AsyncStepLoop"]
+__all__ = ["AsyncScheduler", "AsyncStats", "AsyncStepLoop", "DeviceTokenBuffer"]
 
 
-class AsyncScheduler:
-    """The synchronous scheduler plus in-flight bookkeeping; at most one step in flight
-    when ``schedule()`` is called (the loop applies step N before planning N+2)."""
+@dataclass
+class AsyncStats:
+    """Counters of the async loop (``llm.async_loop.stats``)."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.base = scheduler
-        self.inflight: SchedulerOutput | None = None  # the newest scheduled, not yet updated step
+    steps: int = 0  # steps scheduled
+    overlapped: int = 0  # steps launched while the previous one was still in flight
+    speculative_syncs: int = 0  # steps planned only after landing the previous one (drafts)
+    grammar_waits: int = 0  # steps whose sampling (not forward) waited for the previous step's tokens
+    wait_s: float = 0.0  # host seconds blocked on step results
 
-    def __getattr__(self, name: str) -> Any:  # requests, running, waiting, kv, finish_request, ...
-        return getattr(self.base, name)
-
-    def schedule(self) -> SchedulerOutput:
-        # Invariant on return: for every scheduled request, num_computed_tokens already counts
-        # this step's tokens and num_output_placeholders this step's sample; a request
-        # preempted now has no placeholders (its in-flight token is appended by update()).
-        out = self.base.schedule()
-        for rid in out.preempted_req_ids:
-            self.base.requests[rid].num_output_placeholders = 0
-        for s in out.scheduled:
-            req = self.base.requests[s.req_id]
-            req.num_computed_tokens += s.num_tokens
-            if s.needs_sample:
-                req.num_output_placeholders += 1
-        self.inflight = out
-        return out
-
-    def update(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[Request]:
-        """Apply step ``so``'s results while ``self.inflight`` (a later step, or ``so``
-        itself) may still run; return the requests with new tokens or that finished."""
-        later = {s.req_id: s for s in self.inflight.scheduled} if self.inflight is not so and self.inflight else {}
-        index = {rid: k for k, rid in enumerate(ro.req_ids)}
-        rewound: list[Request] = []
-        touched: list[Request] = []
-        for s in so.scheduled:
-            req = self.base.requests.get(s.req_id)
-            if req is None:
-                continue  # finished / aborted after being scheduled: its tokens are dropped
-            if req.status == RequestStatus.RUNNING:
-                nxt = later.get(s.req_id)
-                req.num_computed_tokens -= s.num_tokens + (nxt.num_tokens if nxt is not None else 0)
-                if s.needs_sample:
-                    req.num_output_placeholders -= 1
-                rewound.append(req)
-            elif s.needs_sample and (k := index.get(s.req_id)) is not None:
-                touched.extend(self._append_preempted(req, ro, k))
-        touched += self.base.update(so, ro)
-        for req in rewound:
-            if req.status == RequestStatus.RUNNING and (nxt := later.get(req.req_id)) is not None:
-                req.num_computed_tokens += nxt.num_tokens
-            assert req.is_finished or req.num_output_placeholders >= 0
-        if self.inflight is so:
-            self.inflight = None
-        return touched
-
-    def _append_preempted(self, req: Request, ro: ModelRunnerOutput, k: int) -> list[Request]:
-        """A request preempted while its sampling step ran: keep its token (recompute
-        later covers it), with the same stop checks as ``Scheduler.update``."""
-        tokens = ro.sampled_token_ids[k]
-        lps = ro.logprobs[k] if ro.logprobs is not None else None
-        tops = ro.top_logprobs[k] if ro.top_logprobs is not None else None
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        for j, tok in enumerate(tokens):
-            req.append_output_token(tok, lps[j] if lps else None, tops[j] if tops else None)
-            stop = check_stop(req, self.base.config.max_model_len)
-            if stop is not None:
-                req.stop_reason = stop[1]
-                self.base.waiting.remove(req)
-                self.base._finish(req, stop[0])
-                break
-        return [req]
+    def as_dict(self) -> dict[str, float]:
+        return dict(vars(self))
 
 
-class AsyncRunner:
-    """Runs steps of ``runner`` in order in one worker thread; keeps last sampled tokens
-    on the device, indexed by state slot, and fills placeholder input ids from them."""
-
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, debug: bool = False) -> None:
-        self.runner, self.debug = runner, debug
-        self.last_tokens = torch.full((max_num_seqs,), PLACEHOLDER_TOKEN_ID, dtype=torch.long,
-                                      device=runner.device)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-step")
-        self._step: SchedulerOutput | None = None  # the step the worker is running
-        self._gathered = self._sampled = False  # the hooks ran for self._step
-        self._build_batch, self._sample = runner.build_batch, runner.sampler.sample
-        runner.build_batch = self._build_batch_hook  # type: ignore[method-assign]
-        runner.sampler.sample = self._sample_hook  # type: ignore[method-assign]
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        self.runner.build_batch = self._build_batch  # type: ignore[method-assign]
-        self.runner.sampler.sample = self._sample  # type: ignore[method-assign]
-
-    def submit(self, so: SchedulerOutput, grammar: Any = None) -> Future[ModelRunnerOutput]:
-        """Run ``so`` after every earlier step (an empty one too: it carries preempted /
-        finished ids for runners that keep per-request state)."""
-        return self._pool.submit(self._run, so, grammar)
-
-    def _run(self, so: SchedulerOutput, grammar: Any) -> ModelRunnerOutput:
-        self._step, self._gathered, self._sampled = so, False, False
-        try:
-            out = self.runner.execute(so, grammar=grammar)
-        finally:
-            self._step = None
-        # A runner that bypasses build_batch / sampler.sample would feed -1 ids or leave
-        # stale last tokens: fail loudly instead (a cheap host check on the plan).
-        if not self._gathered and any(PLACEHOLDER_TOKEN_ID in r.token_ids for r in so.scheduled):
-            raise RuntimeError("async scheduling: the runner did not build inputs through build_batch, "
-                               "so placeholder input ids were not gathered")
-        if not self._sampled and any(r.needs_sample for r in so.scheduled):
-            raise RuntimeError("async scheduling: the runner did not sample through sampler.sample, "
-                               "so the device buffer of last tokens was not updated")
-        return out
-
-    # ---- hooks the runner calls inside execute (worker thread) -------------------------
-    def _build_batch_hook(self, so: SchedulerOutput):
-        batch = self._build_batch(so)
-        self._gathered = True
-        rows: list[int] = []
-        slots: list[int] = []
-        offset = 0
-        for r in so.scheduled:
-            for j, tok in enumerate(r.token_ids):
-                if tok == PLACEHOLDER_TOKEN_ID:
-                    rows.append(offset + j)
-                    slots.append(r.state_slot)
-            offset += r.num_tokens
-        if rows:  # gather on the device: step N's samples never visit the host here
-            dev = batch.input_ids.device
-            rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
-            slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
-            batch.input_ids[rows_t] = self.last_tokens[slots_t]
-            if self.debug:  # a slot is read once; a second read (wrong gather) sees -1
-                self.last_tokens[slots_t] = PLACEHOLDER_TOKEN_ID
-        if self.debug:
-            torch._assert_async((batch.input_ids >= 0).all(), "async scheduling: unfilled placeholder input id")
-        return batch
-
-    def _sample_hook(self, logits: torch.Tensor, params: Any):
-        out = self._sample(logits, params)
-        so = self._step
-        if so is not None:
-            slots = [r.state_slot for r in so.scheduled if r.needs_sample]
-            if len(slots) == out.token_ids.shape[0]:
-                idx = torch.tensor(slots, dtype=torch.long, device=self.last_tokens.device)
-                self.last_tokens[idx] = out.token_ids.to(self.last_tokens.device, non_blocking=True)
-                self._sampled = True
-        return out
+@dataclass
+class _InFlight:
+    so: SchedulerOutput
+    step: LaunchedStep
+    t_start: float
 
 
 class AsyncStepLoop:
@@ -206,63 +82,93 @@ class AsyncStepLoop:
     def __init__(self, llm: LLM, debug: bool = False) -> None:
         self.llm = llm
         self.scheduler = AsyncScheduler(llm.scheduler)
-        self.runner = AsyncRunner(llm.runner, llm.config.max_num_seqs, debug=debug)
-        self._pending: tuple[SchedulerOutput, Any, float] | None = None
-        #: steps scheduled synchronously because a constrained request was in flight
-        self.num_sync_fallbacks = 0
-        #: host seconds spent blocked on step results (the rest of a step is host work)
-        self.wait_s = 0.0
+        self.tokens = DeviceTokenBuffer(llm.config.max_num_seqs, llm.runner.device, debug=debug)
+        llm.runner.token_buffer = self.tokens
+        self.spec = llm.runner.spec
+        self.stats = AsyncStats()
+        self._pending: _InFlight | None = None
+        self._records: list[tuple[SchedulerOutput, list, float]] = []  # applied, for metrics at step end
 
     @property
     def busy(self) -> bool:
         return self._pending is not None
 
-    def _needs_sync(self) -> bool:
-        """Structured output fallback: a constrained request's next mask needs its token."""
-        if self._pending is None:
-            return False
-        grammars = self.llm.structured.grammars
-        return any(s.req_id in grammars for s in self._pending[0].scheduled)
+    @property
+    def num_sync_fallbacks(self) -> int:
+        """Steps that could not be planned before the previous one landed."""
+        return self.stats.speculative_syncs
 
     def step(self, detoks: dict, bar: Any = None) -> None:
         llm = self.llm
         t_start = time.perf_counter()
         llm.structured.admit_ready(llm.scheduler)
-        if self._needs_sync():
-            self.num_sync_fallbacks += 1
+        if self._pending is not None and self.spec is not None:
+            self.stats.speculative_syncs += 1
             self._apply(detoks, bar)
         with phase(SCHEDULE):
             so = self.scheduler.schedule()
-        prev = self._pending
-        fut = self.runner.submit(so, grammar=llm.structured.batch(so))
-        if so.is_empty:  # nothing new runs: just land the step in flight
-            fut.result()
-            self._pending = None
-        else:
-            self._pending = (so, fut, t_start)
+        self.stats.steps += 1
+        step = llm.runner.launch(so)  # on a GPU: enqueued behind step N, nothing waits here
+        if self._pending is not None:
+            self.stats.overlapped += 1
+            if self._mask_needs_pending(so):
+                self.stats.grammar_waits += 1
+                self._apply(detoks, bar)  # N's tokens reach the matchers while N+1's forward runs
+        llm.runner.sample(step, llm.structured.batch(so))
+        self._check_hooks(so)
+        prev, self._pending = self._pending, _InFlight(so, step, t_start)
         if prev is not None:
             self._apply(detoks, bar, prev)
-        if so.is_empty:
-            self.scheduler.inflight = None
+        if so.is_empty:  # nothing runs after it: land it now (carries finished / preempted ids)
+            self._apply(detoks, bar, record=False)
+        for record in self._records:  # once per call, at its end: the profiler's step boundary
+            llm.metrics.record_step(*record)
+        self._records.clear()
 
-    def _apply(self, detoks: dict, bar: Any, item: tuple | None = None) -> None:
+    def _mask_needs_pending(self, so: SchedulerOutput) -> bool:
+        """A constrained request samples in ``so`` and its previous token is still in flight."""
+        grammars = self.llm.structured.grammars
+        if not any(r.needs_sample and r.req_id in grammars for r in so.scheduled):
+            return False
+        in_flight = {r.req_id for r in self._pending.so.scheduled if r.needs_sample}  # type: ignore[union-attr]
+        return any(r.needs_sample and r.req_id in grammars and r.req_id in in_flight for r in so.scheduled)
+
+    def _check_hooks(self, so: SchedulerOutput) -> None:
+        """A runner path that bypasses build_batch / the recorded sample would feed -1 ids
+        or leave stale last tokens: fail loudly instead (a cheap host check on the plan)."""
+        if self.spec is not None or so.is_empty:
+            return
+        if self.tokens.filled is not so and any(PLACEHOLDER_TOKEN_ID in r.token_ids for r in so.scheduled):
+            raise RuntimeError("async scheduling: the runner did not build inputs through build_batch, "
+                               "so placeholder input ids were not gathered")
+        if self.tokens.recorded is not so and any(r.needs_sample for r in so.scheduled):
+            raise RuntimeError("async scheduling: the runner did not record its samples in the device "
+                               "token buffer, so the next step's placeholders would read stale tokens")
+
+    def _apply(self, detoks: dict, bar: Any, item: _InFlight | None = None, record: bool = True) -> None:
+        """Collect a step, update the scheduler, advance grammars / detokenize / stop strings."""
         if item is None:
             item, self._pending = self._pending, None
-        so, fut, t_start = item
+        assert item is not None
+        llm = self.llm
         t_wait = time.perf_counter()
-        out = fut.result()
-        self.wait_s += time.perf_counter() - t_wait
+        out = llm.runner.collect(item.step)
+        self.stats.wait_s += time.perf_counter() - t_wait
         with phase(UPDATE):
-            touched = self.scheduler.update(so, out)
-        self.llm._after_update(touched, detoks, bar)
-        self.llm.metrics.record_step(so, touched, t_start)
+            touched = self.scheduler.update(item.so, out)
+            if self.spec is not None:  # drafts for the next step go to running requests
+                self.spec.attach(llm.scheduler, llm.structured)
+        llm._after_update(touched, detoks, bar)
+        if record:
+            self._records.append((item.so, touched, item.t_start))
 
     def discard(self) -> None:
-        """Wait for the step in flight and drop its results (abort path)."""
+        """Drop the step in flight (abort path); its device work is allowed to finish."""
         item, self._pending = self._pending, None
         self.scheduler.inflight = None
+        self._records.clear()
         if item is not None:
             try:
-                item[1].result()
+                self.llm.runner.collect(item.step)
             except BaseException:
                 pass

@@ -61,6 +61,11 @@ class _LockstepRunner:
 class RankLLM(LLM):
     """An `LLM` that is one rank of a data-parallel + expert-parallel group."""
 
+    #: every rank must run the same collectives per step (has-work all-reduce, dummy MoE
+    #: passes, EPLB steps inside execute): ranks keep the synchronous loop
+    async_scheduling_unsupported = ("data-parallel / expert-parallel ranks step in lockstep through the "
+                                    "synchronous loop (collectives and EPLB bookkeeping run inside execute)")
+
     def __init__(self, model: str | None = None, tokenizer: str | None = None, *, comm: EPComm,
                  expert_parallel: bool = True, eplb: EPLBConfig | None = None,
                  placement: ExpertPlacement | None = None, **kwargs: Any) -> None:

@@ -10,6 +10,11 @@ Derived figures: :func:`step_table` (per step: phase times, host time, device bu
 idle time) and :func:`idle_gaps` (device idle time between consecutive steps: the end of
 one step's last device event to the start of the next step's first).
 
+A GPU event belongs to the step in which the host LAUNCHED it (the trace's ``correlation``
+id links a kernel / copy to its runtime or driver call), not the step during which it
+ran: with async scheduling the device runs step N while the host is already in the next
+profiler step, and only the launch tells whose work a kernel is.
+
 HolisticTraceAnalysis (0.5.0) was tried on our traces: it parses them, but its idle-time
 and temporal breakdowns fail on CPU-only traces (no GPU kernels) and it knows nothing of
 our phases, so this module parses the chrome trace itself.
@@ -25,15 +30,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, SCHEDULE, UPDATE
+from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, SCHEDULE, UPDATE, WAIT
 
 __all__ = ["parse_trace", "step_table", "idle_gaps", "PHASE_LANES", "LANE_ORDER", "load_trace"]
 
 PHASE_LANES: dict[str, str] = {SCHEDULE: "host scheduling", UPDATE: "host scheduling",
                                PREPARE_INPUTS: "input prep", MODEL: "model", LOGITS: "model",
-                               SAMPLE: "sampling"}
-LANE_ORDER: tuple[str, ...] = ("step", "host scheduling", "input prep", "model", "sampling")
+                               SAMPLE: "sampling", WAIT: "host waits"}
+LANE_ORDER: tuple[str, ...] = ("step", "host scheduling", "input prep", "model", "sampling", "host waits")
 _DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+_LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})
 _COLUMNS = ["name", "lane", "kind", "step", "start_us", "dur_us", "end_us", "tid"]
 
 
@@ -75,8 +81,11 @@ def parse_trace(trace: str | Path | Mapping[str, Any]) -> pd.DataFrame:
     for e in phases:
         rows.append((e["name"], PHASE_LANES[e["name"]], e["name"].split(".", 1)[-1], e))
     if device:
+        launched = {e["args"]["correlation"]: e["ts"] for e in events
+                    if e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {})}
         for e in device:
-            rows.append((e["name"], f"device s{e.get('tid')}", "device", e))
+            at = launched.get(e.get("args", {}).get("correlation"), e["ts"])
+            rows.append((e["name"], f"device s{e.get('tid')}", "device", e, at))
     else:  # CPU-only: the model phases' top-level ops are the device's work
         model = [(e["ts"], e["ts"] + e["dur"], e["tid"]) for e in phases if PHASE_LANES[e["name"]] == "model"]
         cpu_ops = [e for e in events if e.get("cat") == "cpu_op"]
@@ -89,8 +98,8 @@ def parse_trace(trace: str | Path | Mapping[str, Any]) -> pd.DataFrame:
     step_starts = np.array([e["ts"] for e in steps], dtype=float)
     step_ids = [int(e["name"].split("#", 1)[1]) for e in steps]
     data = []
-    for name, lane, kind, e in rows:
-        k = int(np.searchsorted(step_starts, e["ts"], side="right")) - 1
+    for name, lane, kind, e, *launch in rows:  # device rows carry their launch time
+        k = int(np.searchsorted(step_starts, launch[0] if launch else e["ts"], side="right")) - 1
         step = step_ids[k] if k >= 0 else -1
         start, dur = float(e["ts"]) - origin, float(e.get("dur", 0.0))
         data.append((name, lane, kind, step, start, dur, start + dur, e.get("tid")))
@@ -116,9 +125,11 @@ def _union_us(starts: np.ndarray, ends: np.ndarray) -> float:
 def step_table(events: pd.DataFrame) -> pd.DataFrame:
     """Per engine step (ms): step time, each phase, host time, device busy / idle time.
 
-    ``host_ms`` = step time minus the model and sampling phases: what the host spends on
-    scheduling, input prep, update, detokenisation and bookkeeping. ``device_busy_ms`` is
-    the union of the step's device intervals; ``device_idle_ms`` the rest of the step.
+    ``host_ms`` = step time minus the model, sampling and wait phases: what the host spends
+    on scheduling, input prep, update, detokenisation and bookkeeping (on a GPU the model
+    and sampling phases are host launch time too: add them back for the host's whole
+    share). ``wait_ms`` is the host blocked on results. ``device_busy_ms`` is the union of
+    the step's device intervals; ``device_idle_ms`` the rest of the step.
     """
     rows = []
     dev = events[events["kind"] == "device"]
@@ -129,9 +140,9 @@ def step_table(events: pd.DataFrame) -> pd.DataFrame:
         busy = _union_us(d["start_us"].to_numpy(), d["end_us"].to_numpy()) / 1e3
         step_ms = st["dur_us"] / 1e3
         row = {"step": int(st["step"]), "start_ms": st["start_us"] / 1e3, "step_ms": step_ms}
-        for kind in ("schedule", "prepare_inputs", "model", "logits", "sample", "update"):
+        for kind in ("schedule", "prepare_inputs", "model", "logits", "sample", "wait", "update"):
             row[f"{kind}_ms"] = float(by_kind.get(kind, 0.0))
-        row["host_ms"] = step_ms - row["model_ms"] - row["logits_ms"] - row["sample_ms"]
+        row["host_ms"] = step_ms - row["model_ms"] - row["logits_ms"] - row["sample_ms"] - row["wait_ms"]
         row["device_busy_ms"] = busy
         row["device_idle_ms"] = max(step_ms - busy, 0.0)
         rows.append(row)
