@@ -61,7 +61,7 @@ def overlap_summary(events: pd.DataFrame, skip_steps: int = 0, skip_last: int = 
         "mean_device_period_ms": mean_period,
         "mean_device_busy_ms": float(steps["device_busy_ms"].mean()),
         # label-free cross-check: 1 - this counts every idle microsecond, inside steps too
-        "device_busy_frac": busy / window if window > 0 else float("nan"),
+        "device_busy_frac": float(busy / window) if window > 0 else float("nan"),
         "mean_gap_ms": mean_gap,
         "p50_gap_ms": float(gaps["gap_ms"].median()) if len(gaps) else 0.0,
         "max_gap_ms": float(gaps["gap_ms"].max()) if len(gaps) else 0.0,

@@ -25,11 +25,11 @@ How a constrained request flows through ``LLM.generate`` / ``LLM.step``:
    before it (``StructuredOutputBatch.apply_verify``). Drafts never move a
    matcher: only the accepted tokens do, through ``advance``.
 
-Async scheduling (not built yet) hook: ``advance`` must only ever see real
-sampled tokens (it reads ``req.output_token_ids`` after ``update``); with async
-scheduling a constrained request's step N+1 mask depends on step N's token, so
-its N+1 must be scheduled after N's ``advance`` (or its mask filled on the
-device side once the token lands), never from a placeholder.
+Async scheduling (deepinfer/engine/async_engine.py): ``advance`` only ever sees real
+sampled tokens (it reads ``req.output_token_ids`` after ``update``). A constrained
+request's step N+1 mask depends on step N's token, so the async loop launches N+1's
+forward, then applies N (``advance``) and only then calls ``batch`` for N+1's
+sampling: the bitmask is never filled from a placeholder.
 """
 
 from __future__ import annotations
