@@ -90,3 +90,24 @@ def cos_sin(x, INTERP: tl.constexpr):
         c = libdevice.cos(x)
         s = libdevice.sin(x)
     return c, s
+
+
+@triton.jit
+def rope_tile(v, pos, freq_ptr, ROWS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, INVERSE: tl.constexpr,
+              CODE: tl.constexpr, INTERP: tl.constexpr):
+    """Interleaved RoPE on the trailing 2 * HALF channels of a [ROWS, D] float32 tile (rows of
+    one token at position ``pos``): cos/sin rounded through the dtype of CODE as
+    ``Rotary.cos_sin`` does, the rotation in float32 and rounded (``apply_rope``)."""
+    even, odd = tl.split(tl.reshape(v, [ROWS, D // 2, 2]))
+    pair = tl.arange(0, D // 2) - (D // 2 - HALF)
+    is_rope = pair >= 0
+    ang = pos.to(tl.float32) * tl.load(freq_ptr + tl.where(is_rope, pair, 0), mask=is_rope, other=0.0)
+    cos, sin = cos_sin(ang, INTERP)
+    c = round_to(cos, CODE, INTERP)[None, :]
+    s = round_to(sin, CODE, INTERP)[None, :]
+    if INVERSE:
+        s = -s
+    rope = is_rope[None, :]
+    new_even = tl.where(rope, round_to(even * c - odd * s, CODE, INTERP), even)
+    new_odd = tl.where(rope, round_to(odd * c + even * s, CODE, INTERP), odd)
+    return tl.reshape(tl.join(new_even, new_odd), [ROWS, D])

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, dtype_code, interpreting, mma, next_pow2, round_to
+from ._common import check_device, dtype_code, interpreting, mma, next_pow2, rope_tile, round_to
 
 LOG2E = 1.4426950408889634
 
@@ -48,11 +48,11 @@ def _update(q, k, valid, m, l, acc, scale, CODE: tl.constexpr, INTERP: tl.conste
 
 @triton.jit
 def _decode_kernel(q_ptr, pos_ptr, swa_ptr, swa_tab_ptr, comp_ptr, comp_tab_ptr, topk_ptr, sink_ptr,
-                   out_ptr, m_ptr, l_ptr, H, W, BS, EPB, RATIO, TOPK, n_splits, scale,
+                   out_ptr, m_ptr, l_ptr, freq_ptr, H, W, BS, EPB, RATIO, TOPK, n_splits, scale,
                    stride_qr, stride_qh, stride_swt, stride_ct, stride_tk, stride_or, stride_oh,
                    HAS_COMP: tl.constexpr, CSA: tl.constexpr, FINAL: tl.constexpr, CHUNK: tl.constexpr,
                    CODE: tl.constexpr, INTERP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   BLOCK_N: tl.constexpr, ROPE_OUT: tl.constexpr, HALF: tl.constexpr):
     r, hb, c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -100,7 +100,10 @@ def _decode_kernel(q_ptr, pos_ptr, swa_ptr, swa_tab_ptr, comp_ptr, comp_tab_ptr,
         den = l * a
         den = den + tl.exp2((sink - big) * 1.4426950408889634)
         o = (acc * a[:, None]) / den[:, None]
-        tl.store(out_ptr + r * stride_or + heads[:, None] * stride_oh + d[None, :], o, mask=hmask[:, None])
+        if ROPE_OUT:  # the output's rope slice rotated back (rounded to the activation dtype first)
+            o = rope_tile(round_to(o, CODE, INTERP), p, freq_ptr, BLOCK_H, D, HALF, True, CODE, INTERP)
+        tl.store(out_ptr + r * stride_or + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
     else:
         part = (r * n_splits + c) * H + heads
         tl.store(m_ptr + part, m, mask=hmask)
@@ -109,8 +112,9 @@ def _decode_kernel(q_ptr, pos_ptr, swa_ptr, swa_tab_ptr, comp_ptr, comp_tab_ptr,
 
 
 @triton.jit
-def _merge_kernel(acc_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, H, n_splits, stride_or, stride_oh,
-                  D: tl.constexpr, BLOCK_H: tl.constexpr):
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, pos_ptr, freq_ptr, H, n_splits, stride_or, stride_oh,
+                  D: tl.constexpr, BLOCK_H: tl.constexpr, ROPE_OUT: tl.constexpr, HALF: tl.constexpr,
+                  CODE: tl.constexpr, INTERP: tl.constexpr):
     r, hb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -128,7 +132,11 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, H, n_splits, stride_
         num = num + acc * a[:, None]
     sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
     den = den + tl.exp2((sink - big) * 1.4426950408889634)
-    tl.store(out_ptr + r * stride_or + heads[:, None] * stride_oh + d[None, :], num / den[:, None],
+    o = num / den[:, None]
+    if ROPE_OUT:
+        p = tl.load(pos_ptr + r)
+        o = rope_tile(round_to(o, CODE, INTERP), p, freq_ptr, BLOCK_H, D, HALF, True, CODE, INTERP)
+    tl.store(out_ptr + r * stride_or + heads[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=hmask[:, None])
 
 
@@ -136,12 +144,16 @@ def decode_attention(q: torch.Tensor, positions: torch.Tensor, swa_pool: torch.T
                      window: int, sink: torch.Tensor, comp_pool: torch.Tensor | None = None,
                      comp_table: torch.Tensor | None = None, ratio: int = 0, topk_idx: torch.Tensor | None = None,
                      kv_chunk: int = 256, max_keys: int | None = None, block_h: int = 16,
-                     block_n: int = 32, num_warps: int = 4) -> torch.Tensor:
+                     block_n: int = 32, num_warps: int = 4, rope_inv_freq: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """Decode attention; see the module doc. q [R, H, D] (D a power of two), positions
     [R] int, tables int32. `max_keys` (an upper bound on window + compressed keys per
     request) sizes the split grid without a host read; graph capture must pass it.
-    Returns float32 [R, H, D]. The defaults (16 heads x 32 keys a block, 4 warps, splits
-    of 256 keys) were best or near it on an H200 for CSA / HCA at batch 8-64."""
+    Returns float32 [R, H, D]; with ``rope_inv_freq`` (f32 [rope_dim / 2]) the output in
+    q's dtype with its trailing rope channels rotated back by the query position (the
+    attention epilogue: ``apply_rope(o.to(dtype), cos, -sin)``). The defaults (16 heads x
+    32 keys a block, 4 warps, splits of 256 keys) were best or near it on an H200 for CSA /
+    HCA at batch 8-64."""
     check_device(q)
     n_req, n_heads, d = q.shape
     assert d == next_pow2(d) and q.stride(2) == 1 and swa_pool.is_contiguous()
@@ -155,7 +167,9 @@ def decode_attention(q: torch.Tensor, positions: torch.Tensor, swa_pool: torch.T
             n_comp = (int(positions.max()) + 1) // ratio  # host read: pass max_keys in graphs
         max_keys = window + n_comp
     n_splits = max(1, triton.cdiv(max_keys, kv_chunk))
-    out = torch.empty(n_req, n_heads, d, dtype=torch.float32, device=q.device)
+    rope_out = rope_inv_freq is not None
+    out = torch.empty(n_req, n_heads, d, dtype=q.dtype if rope_out else torch.float32, device=q.device)
+    freq = rope_inv_freq.float().contiguous() if rope_out else sink
     final = n_splits == 1
     if final:
         acc = m = l = out
@@ -171,16 +185,18 @@ def decode_attention(q: torch.Tensor, positions: torch.Tensor, swa_pool: torch.T
     bh = max(16, min(block_h, next_pow2(n_heads)))
     if n_req == 0:
         return out
+    half = rope_inv_freq.numel() if rope_out else 1
     _decode_kernel[(n_req, triton.cdiv(n_heads, bh), n_splits)](
-        q, positions, swa_pool, swa_table, comp, ctab, tk, sink, acc, m, l,
+        q, positions, swa_pool, swa_table, comp, ctab, tk, sink, acc, m, l, freq,
         n_heads, window, swa_pool.shape[1], comp.shape[1], max(ratio, 1), tk.shape[1] if csa else 0, n_splits,
         float(d ** -0.5), q.stride(0), q.stride(1), swa_table.stride(0), ctab.stride(0), tk.stride(0),
         out.stride(0), out.stride(1),
         HAS_COMP=has_comp, CSA=csa, FINAL=final, CHUNK=kv_chunk, CODE=dtype_code(q.dtype), INTERP=interpreting(),
-        D=d, BLOCK_H=bh, BLOCK_N=block_n, num_warps=num_warps, num_stages=2, **opts)
+        D=d, BLOCK_H=bh, BLOCK_N=block_n, ROPE_OUT=rope_out, HALF=half, num_warps=num_warps, num_stages=2, **opts)
     if not final:
-        _merge_kernel[(n_req, triton.cdiv(n_heads, bh))](acc, m, l, sink, out, n_heads, n_splits, out.stride(0),
-                                                         out.stride(1), D=d, BLOCK_H=bh, num_warps=4, **opts)
+        _merge_kernel[(n_req, triton.cdiv(n_heads, bh))](
+            acc, m, l, sink, out, positions, freq, n_heads, n_splits, out.stride(0), out.stride(1), D=d, BLOCK_H=bh,
+            ROPE_OUT=rope_out, HALF=half, CODE=dtype_code(q.dtype), INTERP=interpreting(), num_warps=4, **opts)
     return out
 
 
@@ -189,10 +205,25 @@ def decode_attention_ref(q: torch.Tensor, positions: torch.Tensor, swa_pool: tor
                          comp_pool: torch.Tensor | None = None, comp_table: torch.Tensor | None = None,
                          ratio: int = 0, topk_idx: torch.Tensor | None = None, kv_chunk: int = 256,
                          max_keys: int | None = None, block_h: int = 16, block_n: int = 32,
-                         num_warps: int = 4) -> torch.Tensor:
+                         num_warps: int = 4, rope_inv_freq: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference with the signature of :func:`decode_attention`: per request the
     key gathering, masks and softmax of ``Attention._attend_one`` for one query row
-    (``gather_rows`` / ``read_entries`` layout). Returns q's dtype, like the model."""
+    (``gather_rows`` / ``read_entries`` layout), then (``rope_inv_freq``) the output's
+    inverse RoPE of ``Attention.forward``. Returns q's dtype, like the model."""
+    from types import SimpleNamespace
+
+    from deepinfer.models.rope import Rotary, apply_rope
+
+    out = _attend_ref(q, positions, swa_pool, swa_table, window, sink, comp_pool, comp_table, ratio, topk_idx)
+    if rope_inv_freq is None:
+        return out
+    cos, sin = Rotary.cos_sin(SimpleNamespace(inv_freq=rope_inv_freq), positions, q.dtype)
+    return apply_rope(out, cos, -sin)
+
+
+def _attend_ref(q: torch.Tensor, positions: torch.Tensor, swa_pool: torch.Tensor, swa_table: torch.Tensor,
+                window: int, sink: torch.Tensor, comp_pool: torch.Tensor | None, comp_table: torch.Tensor | None,
+                ratio: int, topk_idx: torch.Tensor | None) -> torch.Tensor:
     from deepinfer.models.kv_cache import gather_rows
 
     outs = []

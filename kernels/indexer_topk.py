@@ -19,20 +19,25 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, interpreting, mma, next_pow2
+from ._common import check_device, dtype_code, interpreting, mma, next_pow2, rope_tile, round_to
 
 
 @triton.jit
-def _index_score_kernel(q_ptr, w_ptr, pos_ptr, pool_ptr, tab_ptr, out_ptr, H, EPB, RATIO, n_cols, scale, w_scale,
-                        stride_qr, stride_qh, stride_wr, stride_t, stride_or,
-                        INTERP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+def _index_score_kernel(q_ptr, w_ptr, pos_ptr, pool_ptr, tab_ptr, out_ptr, freq_ptr, H, EPB, RATIO, n_cols, scale,
+                        w_scale, stride_qr, stride_qh, stride_wr, stride_t, stride_or,
+                        INTERP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                        ROPE: tl.constexpr, HALF: tl.constexpr, CODE: tl.constexpr):
     r, nb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     heads = tl.arange(0, BLOCK_H)
     hmask = heads < H
     d = tl.arange(0, D)
     q = tl.load(q_ptr + r * stride_qr + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
+    p = tl.load(pos_ptr + r)
+    if ROPE:  # the query's RoPE, as Indexer.select applies it (rounded values: the cast back is exact)
+        q = rope_tile(round_to(q.to(tl.float32), CODE, INTERP), p, freq_ptr, BLOCK_H, D, HALF, False, CODE,
+                      INTERP).to(q_ptr.dtype.element_ty)
     w = tl.load(w_ptr + r * stride_wr + heads, mask=hmask, other=0.0).to(tl.float32) * w_scale
-    limit = (tl.load(pos_ptr + r).to(tl.int32) + 1) // RATIO
+    limit = (p.to(tl.int32) + 1) // RATIO
     ent = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = ent < limit
     blk = tl.load(tab_ptr + r * stride_t + ent // EPB, mask=valid, other=0).to(tl.int64)
@@ -46,20 +51,23 @@ def _index_score_kernel(q_ptr, w_ptr, pos_ptr, pool_ptr, tab_ptr, out_ptr, H, EP
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
                    table: torch.Tensor, ratio: int, n_cols: int, block_n: int = 64,
-                   weight_scale: float = 1.0) -> torch.Tensor:
+                   weight_scale: float = 1.0, rope_inv_freq: torch.Tensor | None = None) -> torch.Tensor:
     """Scores [R, n_cols] float32 (-inf past each request's (p + 1) // ratio entries).
-    q [R, H, Dh] (rope applied), weights [R, H] (any float dtype, row-strided views allowed),
-    pool [blocks, per_block, Dh]."""
+    q [R, H, Dh] (rope applied, or applied here from ``rope_inv_freq`` [rope_dim / 2] and the
+    positions), weights [R, H] (any float dtype, row-strided views allowed), pool
+    [blocks, per_block, Dh]."""
     check_device(q)
     n_req, n_heads, d = q.shape
     assert d == next_pow2(d) and q.stride(2) == 1 and pool.is_contiguous()
     out = torch.empty(n_req, n_cols, dtype=torch.float32, device=q.device)
+    freq = rope_inv_freq.float().contiguous() if rope_inv_freq is not None else out
     if n_req and n_cols:
         _index_score_kernel[(n_req, triton.cdiv(n_cols, block_n))](
-            q, weights, positions, pool, table, out, n_heads, pool.shape[1], ratio, n_cols, float(d ** -0.5),
-            float(weight_scale),
-            q.stride(0), q.stride(1), weights.stride(0), table.stride(0), out.stride(0),
-            INTERP=interpreting(), D=d, BLOCK_H=max(16, next_pow2(n_heads)), BLOCK_N=block_n, num_warps=4)
+            q, weights, positions, pool, table, out, freq, n_heads, pool.shape[1], ratio, n_cols, float(d ** -0.5),
+            float(weight_scale), q.stride(0), q.stride(1), weights.stride(0), table.stride(0), out.stride(0),
+            INTERP=interpreting(), D=d, BLOCK_H=max(16, next_pow2(n_heads)), BLOCK_N=block_n,
+            ROPE=rope_inv_freq is not None, HALF=freq.numel() if rope_inv_freq is not None else 1,
+            CODE=dtype_code(q.dtype), num_warps=4)
     return out
 
 
@@ -74,17 +82,28 @@ def _select(scores: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
-                 table: torch.Tensor, ratio: int, top_k: int, n_cols: int, weight_scale: float = 1.0) -> torch.Tensor:
+                 table: torch.Tensor, ratio: int, top_k: int, n_cols: int, weight_scale: float = 1.0,
+                 rope_inv_freq: torch.Tensor | None = None) -> torch.Tensor:
     """Selected compressed-entry ids [R, top_k] int32 (-1 = none) for CSA decode.
     `n_cols` >= the most entries any request sees (e.g. (max_pos + 1) // ratio)."""
-    return _select(indexer_scores(q, weights, positions, pool, table, ratio, n_cols, weight_scale=weight_scale), top_k)
+    scores = indexer_scores(q, weights, positions, pool, table, ratio, n_cols, weight_scale=weight_scale,
+                            rope_inv_freq=rope_inv_freq)
+    return _select(scores, top_k)
 
 
 def indexer_topk_ref(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
-                     table: torch.Tensor, ratio: int, top_k: int, n_cols: int, weight_scale: float = 1.0) -> torch.Tensor:
-    """Torch reference with the signature of :func:`indexer_topk`: the scoring and
-    stable sort of ``Indexer.select`` per request, keys read with ``gather_rows``."""
+                     table: torch.Tensor, ratio: int, top_k: int, n_cols: int, weight_scale: float = 1.0,
+                     rope_inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference with the signature of :func:`indexer_topk`: the query RoPE, scoring
+    and stable sort of ``Indexer.select`` per request, keys read with ``gather_rows``."""
+    from types import SimpleNamespace
+
     from deepinfer.models.kv_cache import gather_rows
+    from deepinfer.models.rope import Rotary, apply_rope
+
+    if rope_inv_freq is not None:
+        cos, sin = Rotary.cos_sin(SimpleNamespace(inv_freq=rope_inv_freq), positions, q.dtype)
+        q = apply_rope(q, cos, sin)
 
     rows = []
     for r in range(q.shape[0]):

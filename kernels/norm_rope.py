@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, cos_sin, dtype_code, interpreting, next_pow2, round_to
+from ._common import check_device, dtype_code, interpreting, next_pow2, rope_tile, round_to
 
 _NORMS = {"none": 0, "unweighted": 1, "weighted": 2}
 
@@ -44,19 +44,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, tab_ptr, H, stri
         else:
             v = round_to(round_to(v * inv, CODE, INTERP) * tl.load(w_ptr + d)[None, :], CODE, INTERP)
     p = tl.load(pos_ptr + t)
-    even, odd = tl.split(tl.reshape(v, [BLOCK_H, D // 2, 2]))
-    pair = tl.arange(0, D // 2) - (D // 2 - HALF)
-    is_rope = pair >= 0
-    ang = p.to(tl.float32) * tl.load(freq_ptr + tl.where(is_rope, pair, 0), mask=is_rope, other=0.0)
-    cos, sin = cos_sin(ang, INTERP)
-    c = round_to(cos, CODE, INTERP)[None, :]
-    s = round_to(sin, CODE, INTERP)[None, :]
-    if INVERSE:
-        s = -s
-    rope = is_rope[None, :]
-    new_even = tl.where(rope, round_to(even * c - odd * s, CODE, INTERP), even)
-    new_odd = tl.where(rope, round_to(odd * c + even * s, CODE, INTERP), odd)
-    y = tl.reshape(tl.join(new_even, new_odd), [BLOCK_H, D])
+    y = rope_tile(v, p, freq_ptr, BLOCK_H, D, HALF, INVERSE, CODE, INTERP)
     if SCATTER:
         blk = tl.load(tab_ptr + t * stride_tab + p // BS).to(tl.int64)
         dst = out_ptr + (blk * BS + p % BS) * D + heads[:, None] * 0 + d[None, :]

@@ -94,3 +94,21 @@ def test_decode_attention_bf16_rounding_matches_reference(fresh_seed: int, kind:
     vs_ref = (ker.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)
     assert vs_ref.mean() <= 4e-3 and vs_ref.max() <= 1e-2, (vs_ref.mean(), vs_ref.max())
     assert rel(ker).mean() <= 1.2 * rel(ref).mean() + 2e-4, (rel(ker).mean(), rel(ref).mean())
+
+
+@pytest.mark.parametrize("kind", ["hca", "csa"])
+@pytest.mark.parametrize("kv_chunk", [512, 16])  # the direct store and the split merge
+def test_decode_attention_output_inverse_rope(fresh_seed: int, kind: str, kv_chunk: int) -> None:
+    """rope_inv_freq: the bf16 output with its rope slice rotated back by the query position,
+    as Attention.forward does after attending (the nope channels stay the rounded output)."""
+    from deepinfer.models.rope import yarn_inv_freq
+
+    args = _case(fresh_seed, kind, 64, 20)
+    inv = yarn_inv_freq(16, 160000.0, {"factor": 16, "original_max_position_embeddings": 65536}).to(DEVICE)
+    out = decode_attention(**args, kv_chunk=kv_chunk, rope_inv_freq=inv)
+    ref = decode_attention_ref(**args, rope_inv_freq=inv)
+    plain = decode_attention(**args, kv_chunk=kv_chunk)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out[..., :48], plain[..., :48].to(torch.bfloat16))
+    assert_close(out, ref, torch.bfloat16)
+    assert not torch.equal(out[..., 48:], plain[..., 48:].to(torch.bfloat16))  # the rotation happened

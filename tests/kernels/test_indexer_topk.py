@@ -8,7 +8,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-from kernel_testutil import DEVICE, gen  # noqa: E402
+from kernel_testutil import DEVICE, assert_close, gen  # noqa: E402
 
 from deepinfer_kernels.indexer_topk import indexer_scores, indexer_topk, indexer_topk_ref  # noqa: E402
 
@@ -65,3 +65,22 @@ def test_indexer_bf16_weights_scaled_in_kernel(fresh_seed: int) -> None:
     top = indexer_topk(q, w16, pos, pool, table, ratio, 8, n_cols, weight_scale=scale)
     ref = indexer_topk_ref(q, w16, pos, pool, table, ratio, 8, n_cols, weight_scale=scale)
     assert torch.equal(top < 0, ref < 0) and (top == ref).float().mean() > 0.9  # near-ties may swap
+
+
+def test_indexer_query_rope_in_kernel(fresh_seed: int) -> None:
+    """rope_inv_freq: the kernel rotates the query itself, exactly as rotating it first does."""
+    from deepinfer.models.rope import Rotary, apply_rope, yarn_inv_freq
+    from types import SimpleNamespace
+
+    q, w, pos, pool, table, ratio, n_cols = _case(fresh_seed)
+    inv = yarn_inv_freq(16, 160000.0, {"factor": 16, "original_max_position_embeddings": 65536}).to(DEVICE)
+    cos, sin = Rotary.cos_sin(SimpleNamespace(inv_freq=inv), pos, q.dtype)
+    got = indexer_scores(q, w, pos, pool, table, ratio, n_cols, rope_inv_freq=inv)
+    want = indexer_scores(apply_rope(q, cos, sin), w, pos, pool, table, ratio, n_cols)
+    seen = torch.isfinite(want)
+    assert torch.equal(seen, torch.isfinite(got))
+    assert_close(got[seen], want[seen], torch.float32)  # equal but where a cos/sin last bit differs
+    assert not torch.allclose(got[seen], indexer_scores(q, w, pos, pool, table, ratio, n_cols)[seen])
+    top = indexer_topk(q, w, pos, pool, table, ratio, 8, n_cols, rope_inv_freq=inv)
+    ref = indexer_topk_ref(q, w, pos, pool, table, ratio, 8, n_cols, rope_inv_freq=inv)
+    assert torch.equal(top < 0, ref < 0) and (top == ref).float().mean() > 0.9

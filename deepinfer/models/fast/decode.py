@@ -110,7 +110,8 @@ def attention_decode(attn: torch.nn.Module, x: torch.Tensor, ctx: Any) -> torch.
     Launches: one GEMM for every projection of x (wq_a, wkv, the compressors' wkv/wgate,
     the indexer's weights_proj), q_norm, one GEMM for wq_b (+ the indexer's wq_b), the
     q and kv norm + RoPE (kv scattered into the window pool), one launch per compressor,
-    indexer q RoPE + scores + top-k, decode attention, the output's inverse RoPE, wo_a, wo_b.
+    indexer scores (query RoPE inside) + top-k, decode attention (+ its split merge; the
+    output's inverse RoPE inside), wo_a, wo_b.
     """
     meta: DecodeMeta = ctx.batch.decode
     ops, cfg, cache, pos = meta.ops, attn.cfg, ctx.cache, meta.positions
@@ -139,16 +140,16 @@ def attention_decode(attn: torch.nn.Module, x: torch.Tensor, ctx: Any) -> torch.
         n_cols = meta.width * bs // attn.ratio
         if ix is not None:
             _compress(ops, ix.compressor, proj[4], proj[5], meta, index_store, inv_c, bs)
-            iq = ops.norm_rope(q_side[1].view(n, ix.n_heads, ix.dim), pos, inv, "none")
+            iq = q_side[1].view(n, ix.n_heads, ix.dim)  # RoPE'd inside the scores kernel
             topk = ops.indexer_topk(iq, proj[6], pos, index_store.entries, meta.tables32[GROUP_CSA], attn.ratio,
-                                    ix.topk, n_cols, weight_scale=ix.n_heads ** -0.5)
+                                    ix.topk, n_cols, weight_scale=ix.n_heads ** -0.5, rope_inv_freq=inv)
             max_keys += ix.topk
         else:
             max_keys += n_cols
+    # the output's rope slice rotated back in the attention epilogue
     o = ops.decode_attention(q, pos, swa, meta.tables32[GROUP_SWA], attn.window, attn.attn_sink,
                              comp_pool, comp_table, attn.ratio if comp_pool is not None else 0, topk,
-                             max_keys=max_keys)
-    o = ops.norm_rope(o, pos, inv, "none", inverse=True, out_dtype=x.dtype)
+                             max_keys=max_keys, rope_inv_freq=inv)
     return attn.wo_b(attn.wo_a(o.view(n, cfg.o_groups, -1)))
 
 
