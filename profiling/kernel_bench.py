@@ -306,7 +306,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "profiling" / "results")))
     ap.add_argument("--widths", default="flash,mini")
-    ap.add_argument("--only", default="norm,router,moe,attention,indexer")
+    ap.add_argument("--only", default="norm,router,moe,attention,indexer,mhc,epilogue")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     args = ap.parse_args()
     global DEV
@@ -324,8 +324,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rec = Recorder(out / "kernel_bench_h200.json", meta)
+    import kernel_bench_fused  # the decode path's fused kernels (mHC, norm + RoPE, compressor)
+
+    kernel_bench_fused.DEV = DEV
     sections = dict(norm=bench_norm_rope, router=bench_router, moe=bench_moe, attention=bench_attention,
-                    indexer=bench_indexer)
+                    indexer=bench_indexer, **kernel_bench_fused.SECTIONS)
     for wname in args.widths.split(","):
         for sec in args.only.split(","):
             t0 = time.time()
