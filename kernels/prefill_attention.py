@@ -152,7 +152,7 @@ def prefill_attention(q: torch.Tensor, positions: torch.Tensor, row_req: torch.T
                       swa_table: torch.Tensor, window: int, sink: torch.Tensor, comp_pool: torch.Tensor | None = None,
                       comp_table: torch.Tensor | None = None, ratio: int = 0, topk_idx: torch.Tensor | None = None,
                       tiles: torch.Tensor | None = None, block_t: int = 1, block_h: int = 16, block_n: int = 32,
-                      num_warps: int = 4) -> torch.Tensor:
+                      num_warps: int | None = None) -> torch.Tensor:
     """Prefill attention; see the module doc. q [T, H, D] (D a power of two), positions
     [T] int, row_req [T] int32 (request of each row: the row of swa_table / comp_table),
     tables [R, width] int32, topk_idx [T, k] int32 (CSA). ``tiles`` (from
@@ -175,6 +175,8 @@ def prefill_attention(q: torch.Tensor, positions: torch.Tensor, row_req: torch.T
     tk = topk_idx if csa else swa_table
     tile_arg = tiles if tiled else row_req
     opts = {} if interpreting() else {"enable_fp_fusion": False}
+    if num_warps is None:  # sm_90, D = 512: 32-row programs spill registers with 4 warps, not with 8
+        num_warps = 8 if bt * bh >= 32 else 4
     _prefill_attention_kernel[(n_prog, triton.cdiv(n_heads, bh))](
         q, positions, row_req, tile_arg, swa_pool, swa_table, comp, ctab, tk, sink.float().contiguous(), out,
         n_heads, window, swa_pool.shape[1], comp.shape[1], max(ratio, 1), tk.shape[1] if csa else 0,
@@ -199,7 +201,8 @@ def prefill_attention_ref(q: torch.Tensor, positions: torch.Tensor, row_req: tor
                           swa_table: torch.Tensor, window: int, sink: torch.Tensor,
                           comp_pool: torch.Tensor | None = None, comp_table: torch.Tensor | None = None,
                           ratio: int = 0, topk_idx: torch.Tensor | None = None, tiles: torch.Tensor | None = None,
-                          block_t: int = 1, block_h: int = 16, block_n: int = 32, num_warps: int = 4) -> torch.Tensor:
+                          block_t: int = 1, block_h: int = 16, block_n: int = 32,
+                          num_warps: int | None = None) -> torch.Tensor:
     """Torch reference with the signature of :func:`prefill_attention`: per request, the key
     gathering, masks and softmax of ``Attention._attend_one`` (``gather_rows`` layout)."""
     from deepinfer.models.kv_cache import gather_rows

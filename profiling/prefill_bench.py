@@ -13,7 +13,10 @@ Per variant:
     each prompt's last row, relative error (Frobenius) and greedy agreement; the reference's
     own noise floor = the same prompts one at a time vs batched (GEMM shapes alone);
     pass = every prompt's error <= max(2e-2, 2 x the floor);
-(b) speed: one prompt of each length, ``max_tokens=1``, warm-up then the median of
+(b) FP8 GEMMs (GPU): the FP8 linear (act quant + Triton block-scaled GEMM) vs bf16
+    F.linear vs torch's cuBLAS block-scaled _scaled_mm, on mini's projection shapes at 8192
+    rows: TFLOP/s and error to the w8a8 reference;
+(c) speed: one prompt of each length, ``max_tokens=1``, warm-up then the median of
     ``--repeats`` runs of generate() (host scheduling + sampling included): prefill tok/s,
     ms, analytic TFLOP/s (GEMMs of the active weights + attention + indexer scores) and
     its fraction of 800 (the measured bf16 peak; FP8 rows too, for comparison); the
@@ -190,6 +193,65 @@ def time_prefill(llm: LLM, length: int, repeats: int, fast: bool = True, seed: i
             "runs": len(walls)}
 
 
+def _time_cuda(fn, iters: int = 20) -> float:
+    """Median seconds of ``fn()`` over CUDA-event-timed calls (after one warm-up call)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def bench_fp8_gemms(cfg, tokens: int = 8192) -> list[dict]:
+    """The FP8 linear (act quant + block-scaled GEMM) against bf16 F.linear on the shapes of
+    ``cfg``'s FP8 projections at ``tokens`` rows, and torch's block-scaled _scaled_mm
+    (cuBLAS, 1x128 activations x 128x128 weights) where this torch build has it: TFLOP/s
+    and relative error to the w8a8 torch reference."""
+    from deepinfer_kernels.fp8_act_quant import act_quant
+    from deepinfer_kernels.fp8_gemm import fp8_linear, fp8_linear_ref
+
+    from deepinfer.models.quant import e8m0_to_float
+
+    h, q = cfg.hidden_size, cfg.q_lora_rank
+    shapes = {"wq_a": (h, q), "wq_b": (q, cfg.num_attention_heads * cfg.head_dim), "wkv": (h, cfg.head_dim),
+              "wo_b": (cfg.o_groups * cfg.o_lora_rank, h), "shared_w1": (h, cfg.moe_intermediate_size),
+              "shared_w2": (cfg.moe_intermediate_size, h)}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for name, (k, n) in shapes.items():
+        x = torch.randn(tokens, k, device="cuda", generator=g).to(torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", generator=g) * k ** -0.5
+        w_q, w_s = quantize_fp8_block(w, (128, 128))
+        flop = 2.0 * tokens * k * n
+        ref = fp8_linear_ref(x, w_q, w_s, (128, 128))
+        out = fp8_linear(x, w_q, w_s, (128, 128))
+        row = {"linear": name, "M": tokens, "K": k, "N": n,
+               "triton_fp8_tflops": flop / _time_cuda(lambda: fp8_linear(x, w_q, w_s, (128, 128))) / 1e12,
+               "triton_fp8_rel_err": float((out.float() - ref.float()).norm() / ref.float().norm()),
+               "bf16_tflops": flop / _time_cuda(lambda: torch.nn.functional.linear(x, w.to(torch.bfloat16))) / 1e12}
+        try:  # cuBLAS block scaling (torch >= 2.9 on sm_90); scale layout per torch's meta checks
+            a_q, a_s = act_quant(x, 128)
+            ws = e8m0_to_float(w_s).t().contiguous()  # [K/128, N/128]
+
+            def cublas():
+                return torch._scaled_mm(a_q, w_q.t(), scale_a=a_s, scale_b=ws, out_dtype=torch.bfloat16)
+
+            got = cublas()
+            row["cublas_blockwise_rel_err"] = float((got.float() - ref.float()).norm() / ref.float().norm())
+            row["cublas_blockwise_tflops"] = flop / _time_cuda(cublas) / 1e12
+        except Exception as exc:  # not in this build / layout refused: recorded, not fatal
+            row["cublas_blockwise_error"] = repr(exc)[:300]
+        rows.append(row)
+        print("[gemm]", json.dumps(row), flush=True)
+    return rows
+
+
 def bench_variant(name: str, path: str, args: argparse.Namespace, results: dict) -> None:
     t0 = time.time()
     llm = LLM(path, dtype="bfloat16" if ON_GPU else "float32", max_model_len=max(args.lengths + list(CHECK_LENS)) + 8,
@@ -271,10 +333,20 @@ def run(args: argparse.Namespace) -> dict:
     results["setup_s"] = round(time.time() - t0, 1)
     os.makedirs(args.out, exist_ok=True)
     out_file = os.path.join(args.out, f"prefill_bench_{args.config}.json")
+    if ON_GPU and "fp8" in args.variants:
+        try:
+            results["fp8_gemms"] = bench_fp8_gemms(cfg)
+        except Exception as exc:  # the engine benchmark below still runs
+            results["fp8_gemms_error"] = repr(exc)[:500]
+            print("[gemm] failed:", results["fp8_gemms_error"], flush=True)
     for name in args.variants.split(","):
         bench_variant(name, paths[name], args, results)
         with open(out_file, "w") as f:  # after each variant: a later failure keeps the earlier numbers
             json.dump(results, f, indent=1)
+    for r in results.get("fp8_gemms", []):
+        print(f"gemm {r['linear']:10} {r['M']}x{r['K']}x{r['N']}: triton fp8 {r['triton_fp8_tflops']:.0f} TFLOP/s "
+              f"(err {r['triton_fp8_rel_err']:.1e}), bf16 {r['bf16_tflops']:.0f}, cublas blockwise "
+              f"{r.get('cublas_blockwise_tflops', float('nan')):.0f} (err {r.get('cublas_blockwise_rel_err', float('nan')):.1e})")
     print(f"\nprefill_bench ({args.config}, {results['device']}, commit {results['commit'][:10]}) -> {out_file}")
     print(f"{'variant':8}{'path':>10}{'tokens':>8}{'ms':>10}{'tok/s':>11}{'TFLOP/s':>9}{'/800':>7}{'xHF':>7}"
           f"{'check':>8}{'max err':>9}")

@@ -125,3 +125,15 @@ def test_quantized_model_w8a8_close_to_dequantized(tmp_path, fresh_seed, monkeyp
     assert 1e-3 < err < 0.4, err
     agree = (logits["ref"].argmax(-1) == logits["dequant"].argmax(-1)).float().mean()
     assert agree > 0.5, float(agree)  # measured 0.76
+
+
+def test_grouped_scale_blocks_straddling_groups(fresh_seed):
+    """Groups of 16 rows inside 128-row scale blocks (tiny configs): the kernel refuses,
+    fp8_linear still computes the same product."""
+    g = torch.Generator().manual_seed(fresh_seed)
+    w_q, w_s = quantize_fp8_block(torch.randn(32, 64, generator=g) * 0.1, (128, 128))
+    x = torch.randn(3, 2, 64, generator=g)
+    a_q, a_s = act_quant_ref(x.reshape(-1, 64), 128)
+    with pytest.raises(ValueError, match="whole 128-row scale blocks"):
+        fp8_gemm(a_q.view(3, -1), a_s.view(3, -1), w_q, w_s, (128, 128), torch.float32, 2)
+    assert _rel(fp8_linear(x, w_q, w_s, (128, 128), 2), fp8_linear_ref(x, w_q, w_s, (128, 128), 2)) < 1e-6
