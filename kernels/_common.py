@@ -11,6 +11,11 @@ are handled here so that every kernel computes the same numbers there as on a GP
 * it has no libdevice, which :func:`cos_sin` uses on GPUs (RoPE angles reach thousands of
   radians at long contexts, where only a fully range-reduced cos/sin matches torch's).
 
+Row / token counts and table widths that change with the batch are ``do_not_specialize``
+arguments of the decode kernels: one compiled variant then serves every batch bucket and
+context length (each compile costs seconds on a fresh device, inside the first step of
+each new shape).
+
 Kernels take ``INTERP: tl.constexpr`` (from :func:`interpreting`) and a dtype code
 (:func:`dtype_code`) instead of a ``tl.dtype`` so the same source compiles everywhere.
 """

@@ -46,7 +46,7 @@ def _update(q, k, valid, m, l, acc, scale, CODE: tl.constexpr, INTERP: tl.conste
     return m_new, l, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits", "stride_swt", "stride_ct", "stride_tk"])
 def _decode_kernel(q_ptr, pos_ptr, swa_ptr, swa_tab_ptr, comp_ptr, comp_tab_ptr, topk_ptr, sink_ptr,
                    out_ptr, m_ptr, l_ptr, freq_ptr, H, W, BS, EPB, RATIO, TOPK, n_splits, scale,
                    stride_qr, stride_qh, stride_swt, stride_ct, stride_tk, stride_or, stride_oh,
@@ -111,7 +111,7 @@ def _decode_kernel(q_ptr, pos_ptr, swa_ptr, swa_tab_ptr, comp_ptr, comp_tab_ptr,
         tl.store(out_ptr + part[:, None].to(tl.int64) * D + d[None, :], acc, mask=hmask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits"])
 def _merge_kernel(acc_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, pos_ptr, freq_ptr, H, n_splits, stride_or, stride_oh,
                   D: tl.constexpr, BLOCK_H: tl.constexpr, ROPE_OUT: tl.constexpr, HALF: tl.constexpr,
                   CODE: tl.constexpr, INTERP: tl.constexpr):

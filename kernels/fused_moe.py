@@ -25,7 +25,7 @@ from ._common import check_device, dtype_code, interpreting, next_pow2, round_to
 from .moe_align import moe_align
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_slots"])
 def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, act_ptr, sorted_ptr, block_expert_ptr, n_slots, H, I,
                     stride_x, stride_we, stride_wn, limit,
                     TOPK: tl.constexpr, CODE: tl.constexpr, INTERP: tl.constexpr, EVEN_K: tl.constexpr,
@@ -68,7 +68,7 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, act_ptr, sorted_ptr, block_expert_ptr
     tl.store(out, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & nmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_slots"])
 def _down_kernel(act_ptr, w2_ptr, topw_ptr, y_ptr, sorted_ptr, block_expert_ptr, n_slots, H, I,
                  stride_we, stride_wn,
                  CODE: tl.constexpr, INTERP: tl.constexpr, EVEN_K: tl.constexpr,

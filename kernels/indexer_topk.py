@@ -22,7 +22,7 @@ import triton.language as tl
 from ._common import check_device, dtype_code, interpreting, mma, next_pow2, rope_tile, round_to
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_cols", "stride_t"])
 def _index_score_kernel(q_ptr, w_ptr, pos_ptr, pool_ptr, tab_ptr, out_ptr, freq_ptr, H, EPB, RATIO, n_cols, scale,
                         w_scale, stride_qr, stride_qh, stride_wr, stride_t, stride_or,
                         INTERP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -34,7 +34,7 @@ from ._common import check_device, dtype_code, interpreting, next_pow2, round_to
 K_SPLIT = 512
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _mix_kernel(src_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr, ss_ptr,
                 T, D, stride_st, stride_sj, stride_ot, n_splits,
                 N: tl.constexpr, HAS_POST: tl.constexpr, HEAD: tl.constexpr, CODE: tl.constexpr,
@@ -94,7 +94,7 @@ def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _finish_kernel(src_ptr, stride_st, stride_sj, part_ptr, ss_ptr, base_ptr, scale_ptr, norm_w_ptr,
                    post_ptr, comb_ptr, x_ptr, T, D, n_splits, iters, hc_eps, norm_eps, out_eps,
                    N: tl.constexpr, HEAD: tl.constexpr, HAS_NORM: tl.constexpr, CODE: tl.constexpr,

@@ -25,7 +25,7 @@ import triton.language as tl
 from ._common import check_device, next_pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _count_kernel(ids_ptr, counts_ptr, N, E, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
     c = tl.program_id(0)
     i = c * CHUNK + tl.arange(0, CHUNK)
@@ -35,7 +35,7 @@ def _count_kernel(ids_ptr, counts_ptr, N, E, CHUNK: tl.constexpr, BLOCK_E: tl.co
     tl.store(counts_ptr + c * BLOCK_E + experts, tl.sum(hot, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks", "max_blocks"])
 def _offsets_kernel(counts_ptr, prefix_ptr, start_ptr, block_expert_ptr, n_chunks, E, max_blocks,
                     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
                     BLOCK_B: tl.constexpr):
@@ -59,7 +59,7 @@ def _offsets_kernel(counts_ptr, prefix_ptr, start_ptr, block_expert_ptr, n_chunk
         tl.store(block_expert_ptr + b, tl.where(e < E, e, -1), mask=b < max_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _scatter_kernel(ids_ptr, prefix_ptr, start_ptr, sorted_ptr, N, E,
                     CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
     c = tl.program_id(0)

@@ -22,7 +22,7 @@ import triton.language as tl
 from ._common import check_device, dtype_code, interpreting, next_pow2, round_to
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, n_rows, D, stride_x, stride_r, eps,
                      HAS_WEIGHT: tl.constexpr, HAS_RES: tl.constexpr, CODE: tl.constexpr,
                      INTERP: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):

@@ -37,7 +37,7 @@ def _score(logit, FUNC: tl.constexpr, CODE: tl.constexpr, INTERP: tl.constexpr):
     return s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _router_kernel(logits_ptr, bias_ptr, tid2eid_ptr, ids_in_ptr, w_out_ptr, id_out_ptr,
                    T, E, stride_l, stride_tab, route_scale, extra_id,
                    K: tl.constexpr, EXTRA: tl.constexpr, HASH: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
