@@ -19,7 +19,7 @@ checkpoint on disk) and served by the engine:
 3. HF transformers' eager generate() on the same config in the same run (model freed
    first), and our ratio to it.
 
-Every phase is guarded by the time budget and writes ``fastpath_bench.json`` (commit,
+Every phase is guarded by the time budget and writes ``fastpath_bench_<sizes>.json`` (commit,
 hardware, configs, results) under --out as it goes; a short table is printed last.
 """
 
@@ -294,7 +294,7 @@ def run_size(name: str, cfg, args, out: dict, budget: Budget) -> None:
         torch.cuda.empty_cache()
         res["gpu_bytes_left_after_release"] = torch.cuda.memory_allocated()
     if not args.no_hf:
-        phase(res, "hf", budget, 40, run_hf, cfg, device, args)
+        phase(res, "hf", budget, 40, run_hf, cfg, device, args, budget)
 
 
 def release(llm) -> None:
@@ -313,15 +313,22 @@ def release(llm) -> None:
             value.clear()
 
 
-def run_hf(cfg, device: str, args) -> dict:
+def run_hf(cfg, device: str, args, budget: Budget) -> dict:
     from fastpath_hf import build_hf, hf_decode, hf_prefill
 
+    t = time.time()
     model = build_hf(cfg, torch.bfloat16, device)
-    out = {"decode": [], "prefill": []}
+    out = {"build_s": round(time.time() - t, 1), "decode": [], "prefill": []}
     try:
         for b in args.batches:
+            if budget.left() < 20:
+                out["decode"].append({"batch": b, "skipped": "time budget"})
+                continue
             out["decode"].append({"batch": b, **hf_decode(model, b, 32, args.hf_new_tokens, cfg.vocab_size)})
         for n in args.prefill:
+            if budget.left() < 15:
+                out["prefill"].append({"tokens": n, "skipped": "time budget"})
+                continue
             out["prefill"].append({"tokens": n, **hf_prefill(model, n, cfg.vocab_size)})
     finally:
         del model
@@ -378,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ImportError:
         pass
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "fastpath_bench.json")
+    path = os.path.join(args.out, f"fastpath_bench_{args.sizes.replace(',', '_')}{'_tiny' if args.tiny else ''}.json")
     for name in args.sizes.split(","):
         try:
             run_size(name, sizes[name](), args, out, budget)

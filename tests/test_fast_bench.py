@@ -19,7 +19,7 @@ def test_bench_tiny_end_to_end(tmp_path, monkeypatch, capsys):
     out = fastpath_bench.main(["--tiny", "--sizes", "mini", "--out", str(tmp_path)])
     for var in ("DEEPINFER_FASTPATH", "DEEPINFER_FAST_PREFILL", "DEEPINFER_CUDA_GRAPHS"):
         os.environ.pop(var, None)  # main() set them for its own run
-    saved = json.loads((tmp_path / "fastpath_bench.json").read_text())
+    saved = json.loads((tmp_path / "fastpath_bench_mini_tiny.json").read_text())
     mini = saved["mini"]
     assert saved["commit"] and mini["fast_path"] == {"decode": True, "prefill": True, "ops": "ref"}
     check = mini["check_engine"]
