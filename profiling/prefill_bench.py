@@ -8,11 +8,12 @@ speed, for `mini` (REFERENCE.md section 5, random weights) in bf16 and with FP8 
 
 Per variant:
 (a) check: a mixed batch (prompt lengths 1 / 100 / 700 / 2100 / 6000; the last one is
-    chunked by the 8192-token budget, so a chunked step runs beside whole prompts) prefilled once through
-    the reference path and once through the fast path (``max_tokens=1``): float32 logits of
-    each prompt's last row, relative error (Frobenius) and greedy agreement; the reference's
-    own noise floor = the same prompts one at a time vs batched (GEMM shapes alone);
-    pass = every prompt's error <= max(2e-2, 2 x the floor);
+    chunked by the 8192-token budget, so a chunked step runs beside whole prompts)
+    prefilled (``max_tokens=1``) through the reference path in float32 (the truth), then
+    in bf16 through the reference path and the fast path: relative error (Frobenius) of
+    each prompt's last-row logits to the truth; pass = the fast path's error <= 1.25 x the
+    bf16 reference's + 1e-3 for every prompt (the two bf16 paths round at different points,
+    so they are not compared with each other for the verdict; that distance is recorded);
 (b) FP8 GEMMs (GPU): the FP8 linear (act quant + Triton block-scaled GEMM) vs bf16
     F.linear vs torch's cuBLAS block-scaled _scaled_mm, on mini's projection shapes at 8192
     rows: TFLOP/s and error to the w8a8 reference;
@@ -97,7 +98,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def prefill_logits(llm: LLM, prompts: list[list[int]], fast: bool, one_by_one: bool = False) -> list[torch.Tensor]:
+def prefill_logits(llm: LLM, prompts: list[list[int]], fast: bool) -> list[torch.Tensor]:
     """Float32 logits of each prompt's last row (``max_tokens=1``), through the fast or the
     reference prefill path (the runner's ``fast_prefill`` switched for the call). Rows are
     recorded in sampling order, which is prompt order: requests are scheduled first come
@@ -115,27 +116,31 @@ def prefill_logits(llm: LLM, prompts: list[list[int]], fast: bool, one_by_one: b
     runner.sampler.sample = record
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     try:
-        for batch in ([[p] for p in prompts] if one_by_one else [prompts]):
-            llm.generate(prompt_token_ids=batch, sampling_params=sp, use_tqdm=False)
+        llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
     finally:
         runner.fast_prefill, runner.sampler.sample = saved_path, sample
     assert len(rows) == len(prompts), (len(rows), len(prompts))
     return rows
 
 
-def check_prefill(llm: LLM, prompts: list[list[int]]) -> dict:
-    """Fast vs reference prefill logits of each prompt's last row (see the module doc)."""
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def check_prefill(llm: LLM, prompts: list[list[int]], truth: list[torch.Tensor]) -> dict:
+    """Fast vs reference prefill logits of each prompt's last row, both against ``truth``
+    (the reference path in float32 on the same weights): two bf16 paths round at different
+    points, so each is held to the bf16 reference's own distance from float32. Passes when
+    every prompt's fast-path error <= 1.25 x the bf16 reference's + 1e-3."""
     ref = prefill_logits(llm, prompts, fast=False)
     fast = prefill_logits(llm, prompts, fast=True)
-    alone = prefill_logits(llm, prompts, fast=False, one_by_one=True)
-    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
-    errs = [rel(f, r) for f, r in zip(fast, ref)]
-    floor = [rel(a, r) for a, r in zip(alone, ref)]
-    tol = max(2e-2, 2 * max(floor))
-    return {"prompt_lens": [len(p) for p in prompts], "fast_vs_reference_rel_err": errs,
-            "reference_batched_vs_alone_rel_err": floor, "tolerance": tol,
-            "greedy_agree": sum(int(f.argmax() == r.argmax()) for f, r in zip(fast, ref)),
-            "passed": all(e <= tol for e in errs), "fast_prefill_stats": dict(llm.runner.fast_prefill.stats)}
+    err_fast = [_rel(f, t) for f, t in zip(fast, truth)]
+    err_ref = [_rel(r, t) for r, t in zip(ref, truth)]
+    return {"prompt_lens": [len(p) for p in prompts], "fast_vs_fp32_rel_err": err_fast,
+            "reference_vs_fp32_rel_err": err_ref, "fast_vs_reference_rel_err": [_rel(f, r) for f, r in zip(fast, ref)],
+            "greedy_agree_fast_reference": sum(int(f.argmax() == r.argmax()) for f, r in zip(fast, ref)),
+            "passed": all(ef <= 1.25 * er + 1e-3 for ef, er in zip(err_fast, err_ref)),
+            "fast_prefill_stats": dict(llm.runner.fast_prefill.stats)}
 
 
 def prefill_flops(cfg, model, length: int) -> dict[str, float]:
@@ -253,18 +258,25 @@ def bench_fp8_gemms(cfg, tokens: int = 8192) -> list[dict]:
 
 
 def bench_variant(name: str, path: str, args: argparse.Namespace, results: dict) -> None:
-    t0 = time.time()
-    llm = LLM(path, dtype="bfloat16" if ON_GPU else "float32", max_model_len=max(args.lengths + list(CHECK_LENS)) + 8,
-              max_num_seqs=8, max_num_batched_tokens=args.budget, enable_prefix_caching=False,
-              **({"gpu_memory_utilization": 0.45} if ON_GPU else {}))
-    assert llm.runner.fast_prefill is not None, "the prefill fast path was not selected"
-    out = results["variants"][name] = {"load_s": round(time.time() - t0, 1), "weight_bytes": weight_bytes(llm.model),
-                                       "fast_prefill_ops": llm.runner.fast_prefill.ops.kind}
     g = torch.Generator().manual_seed(1)
-    vocab = min(llm.model.cfg.vocab_size, 100000)
+    engine = dict(max_model_len=max(args.lengths + list(CHECK_LENS)) + 8, max_num_seqs=8,
+                  max_num_batched_tokens=args.budget, enable_prefix_caching=False,
+                  **({"gpu_memory_utilization": 0.45} if ON_GPU else {}))
     lens = [n for n in CHECK_LENS if n <= args.check_max_len]
+    t0 = time.time()
+    truth_llm = LLM(path, dtype="float32", **engine)  # the reference path in float32: the check's truth
+    vocab = min(truth_llm.model.cfg.vocab_size, 100000)
     prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lens]
-    out["check"] = check_prefill(llm, prompts)
+    truth = prefill_logits(truth_llm, prompts, fast=False)
+    del truth_llm
+    _free()
+    t1 = time.time()
+    llm = LLM(path, dtype="bfloat16", **engine)
+    assert llm.runner.fast_prefill is not None, "the prefill fast path was not selected"
+    out = results["variants"][name] = {"fp32_truth_s": round(t1 - t0, 1), "load_s": round(time.time() - t1, 1),
+                                       "weight_bytes": weight_bytes(llm.model),
+                                       "fast_prefill_ops": llm.runner.fast_prefill.ops.kind}
+    out["check"] = check_prefill(llm, prompts, truth)
     print(f"[{name}] check:", json.dumps(out["check"]), flush=True)
     rows = []
     for length in args.lengths:
@@ -282,6 +294,10 @@ def bench_variant(name: str, path: str, args: argparse.Namespace, results: dict)
     out["prefill"] = rows
     out["fast_prefill_stats"] = dict(llm.runner.fast_prefill.stats)
     del llm
+    _free()
+
+
+def _free() -> None:
     gc.collect()
     if ON_GPU:
         torch.cuda.empty_cache()
@@ -349,13 +365,14 @@ def run(args: argparse.Namespace) -> dict:
               f"{r.get('cublas_blockwise_tflops', float('nan')):.0f} (err {r.get('cublas_blockwise_rel_err', float('nan')):.1e})")
     print(f"\nprefill_bench ({args.config}, {results['device']}, commit {results['commit'][:10]}) -> {out_file}")
     print(f"{'variant':8}{'path':>10}{'tokens':>8}{'ms':>10}{'tok/s':>11}{'TFLOP/s':>9}{'/800':>7}{'xHF':>7}"
-          f"{'check':>8}{'max err':>9}")
+          f"{'check':>8}{'fast err':>9}{'ref err':>9}")
     for name, v in results["variants"].items():
         chk = v["check"]
         for r in v["prefill"]:
             print(f"{name:8}{r['path']:>10}{r['length']:>8}{r['wall_s'] * 1e3:>10.1f}{r['tok_s']:>11.0f}"
                   f"{r['tflop_s']:>9.1f}{r['peak_frac']:>7.3f}{r.get('x_hf_reference_md', float('nan')):>7.2f}"
-                  f"{'pass' if chk['passed'] else 'FAIL':>8}{max(chk['fast_vs_reference_rel_err']):>9.1e}")
+                  f"{'pass' if chk['passed'] else 'FAIL':>8}{max(chk['fast_vs_fp32_rel_err']):>9.1e}"
+                  f"{max(chk['reference_vs_fp32_rel_err']):>9.1e}")
     return results
 
 

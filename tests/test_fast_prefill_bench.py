@@ -26,6 +26,7 @@ def test_prefill_bench_cpu(tmp_path, monkeypatch):
     for name, v in saved["variants"].items():
         assert v["check"]["passed"], (name, v["check"])
         assert v["check"]["prompt_lens"] == [1, 100] and v["fast_prefill_stats"]["prefill_steps"] >= 3
+        assert max(v["check"]["reference_vs_fp32_rel_err"]) > 0, "bf16 against a float32 truth"
         assert {(r["path"], r["length"]) for r in v["prefill"]} == {("fast", 48), ("reference", 48)}
         assert all(r["tok_s"] > 0 and r["tflop_s"] > 0 for r in v["prefill"])
     fp8 = saved["variants"]["fp8"]["weight_bytes"]
