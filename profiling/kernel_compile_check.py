@@ -6,8 +6,8 @@ and strides only, no data, no GPU) under the Triton interpreter with the kernels
 launches recorded instead of run; this process then compiles each distinct launch
 (kernel, constexprs, argument types) with ``triton.compile`` for ``GPUTarget("cuda", 90,
 32)`` and the launch's own options (the interpreter's patched language cannot compile,
-hence two processes). Prints one line per kernel (compile seconds, shared memory) and
-exits non-zero on a failure.
+hence two processes). Prints one line per kernel (compile seconds, shared memory, register spill stores in the SASS) and exits non-zero
+on a failure.
 
     python profiling/kernel_compile_check.py [--size mini|flash4] [--batch 16]
 """
@@ -113,6 +113,16 @@ def record_decode_step(size: str, batch: int) -> Recorder:
     return recorder
 
 
+def _spill_stores(compiled) -> int | None:
+    """Register spills: local-memory stores (STL) in the kernel's SASS (None without cuobjdump)."""
+    try:
+        from triton.tools.disasm import get_sass
+
+        return sum(1 for line in get_sass(compiled.asm["cubin"]).splitlines() if " STL" in line)
+    except Exception:
+        return None
+
+
 def compile_all(launches: list[dict], arch: int = 90) -> list[dict]:
     """Compile recorded launches (a process without TRITON_INTERPRET: real JITFunctions)."""
     import importlib
@@ -135,7 +145,8 @@ def compile_all(launches: list[dict], arch: int = 90) -> list[dict]:
             opts = {k: v for k, v in spec["options"].items() if k in ("num_warps", "num_stages", "enable_fp_fusion")}
             compiled = triton.compile(ASTSource(fn, spec["signature"], spec["constexprs"]), target=target,
                                       options=opts)
-            row.update(ok=True, shared=compiled.metadata.shared, seconds=round(time.time() - t, 1))
+            row.update(ok=True, shared=compiled.metadata.shared, seconds=round(time.time() - t, 1),
+                       spill_stores=_spill_stores(compiled))
         except Exception as exc:  # report every failing kernel, then fail
             row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:800]}")
         rows.append(row)
