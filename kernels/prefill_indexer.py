@@ -79,18 +79,20 @@ def select_topk(scores: torch.Tensor, top_k: int) -> torch.Tensor:
 
 def prefill_indexer_topk(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, row_req: torch.Tensor,
                          pool: torch.Tensor, table: torch.Tensor, ratio: int, top_k: int, n_cols: int,
-                         tiles: torch.Tensor, block_n: int = 64, max_score_elems: int = 1 << 26) -> torch.Tensor:
+                         tiles: torch.Tensor, block_n: int = 64, max_score_elems: int = 1 << 26,
+                         host_tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Selected entry ids [T, top_k] int32 (-1 = none). q [T, H, Dh] (rope applied),
     weights [T, H], row_req [T] int32, table [R, width] int32, ``n_cols`` >= the most
     entries any row sees, ``tiles`` [n, 2] int32 (first row, rows) of at most 64 rows,
-    ordered by row (``prefill_attention.query_tiles``)."""
+    ordered by row (``prefill_attention.query_tiles``); ``host_tiles``: the same on the
+    host, if the caller has it (saves a device-to-host copy)."""
     check_device(q)
     n_rows, n_heads, d = q.shape
     assert d == next_pow2(d) and q.stride(2) == 1 and pool.is_contiguous()
     out = torch.full((n_rows, top_k), -1, dtype=torch.int32, device=q.device)
     if n_rows == 0 or n_cols == 0:
         return out
-    host_tiles = tiles.cpu()
+    host_tiles = tiles.cpu() if host_tiles is None else host_tiles
     block_t = max(16, next_pow2(int(host_tiles[:, 1].max())))
     # tile chunks whose rows x n_cols fit the score buffer
     budget_rows = max(block_t, max_score_elems // n_cols)
@@ -117,7 +119,7 @@ def prefill_indexer_topk(q: torch.Tensor, weights: torch.Tensor, positions: torc
 def prefill_indexer_topk_ref(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, row_req: torch.Tensor,
                              pool: torch.Tensor, table: torch.Tensor, ratio: int, top_k: int, n_cols: int,
                              tiles: torch.Tensor | None = None, block_n: int = 64,
-                             max_score_elems: int = 1 << 26) -> torch.Tensor:
+                             max_score_elems: int = 1 << 26, host_tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference with the signature of :func:`prefill_indexer_topk`: per request the
     scoring of ``Indexer.select`` (float32) over its keys, then the same selection."""
     from deepinfer.models.kv_cache import gather_rows

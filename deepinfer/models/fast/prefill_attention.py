@@ -62,7 +62,7 @@ def attention_prefill(attn: torch.nn.Module, x: torch.Tensor, meta: PrefillMeta,
             iw = proj[6].float() * ix.n_heads ** -0.5
             extra["topk_idx"] = ops.prefill_indexer_topk(
                 iq, iw, pos, meta.row_req, index_store.entries, meta.tables32[GROUP_CSA], attn.ratio, ix.topk,
-                meta.n_entries_max(attn.ratio), meta.tiles(INDEX_TILE))
+                meta.n_entries_max(attn.ratio), meta.tiles(INDEX_TILE), host_tiles=meta.tiles(INDEX_TILE, host=True))
             block_t = 1
     o = ops.prefill_attention(q, pos, meta.row_req, swa, meta.tables32[GROUP_SWA], attn.window, attn.attn_sink,
                               **extra, tiles=meta.tiles(block_t) if block_t > 1 else None, block_t=block_t,

@@ -46,14 +46,16 @@ class PrefillMeta:
             self._row_tables[group] = self.tables32[group][self.row_req.long()]
         return self._row_tables[group]
 
-    def tiles(self, block_t: int) -> torch.Tensor:
-        """Query tiles [n, 2] int32 (first row, rows) cut at multiples of ``block_t``."""
+    def tiles(self, block_t: int, host: bool = False) -> torch.Tensor:
+        """Query tiles [n, 2] int32 (first row, rows) cut at multiples of ``block_t``, on
+        the device (or the host copy)."""
         if block_t not in self._tiles:
             from deepinfer_kernels.prefill_attention import query_tiles
 
-            self._tiles[block_t] = query_tiles([s.start for s in self.seqs], [s.length for s in self.seqs],
-                                               [s.offset for s in self.seqs], block_t, self.device)
-        return self._tiles[block_t]
+            cpu = query_tiles([s.start for s in self.seqs], [s.length for s in self.seqs],
+                              [s.offset for s in self.seqs], block_t, "cpu")
+            self._tiles[block_t] = (cpu, cpu.to(self.device))
+        return self._tiles[block_t][0 if host else 1]
 
     def plan(self, comp: torch.nn.Module, store: Any) -> CompressorPlan:
         """The step's plan for compressors like ``comp`` writing into ``store``'s group."""
