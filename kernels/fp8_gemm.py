@@ -29,7 +29,7 @@ from .fp8_act_quant import act_quant, act_quant_ref
 _E8M0 = tuple(d for d in (torch.uint8, getattr(torch, "float8_e8m0fnu", None)) if d is not None)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # token counts: one compiled variant for all
 def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, n_ws_cols,
                      stride_am, stride_ag, stride_asm, stride_asg, stride_wn, stride_cm,
                      GK: tl.constexpr, GN: tl.constexpr, WS_E8M0: tl.constexpr, CODE: tl.constexpr, INTERP: tl.constexpr,
