@@ -66,7 +66,7 @@ def _attend(q, k, vis, m, l, acc, scale, CODE: tl.constexpr, INTERP: tl.constexp
     return m_new, l, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_swt", "stride_ct"])  # table widths vary with the context
 def _prefill_attention_kernel(q_ptr, pos_ptr, req_ptr, tile_ptr, swa_ptr, swa_tab_ptr, comp_ptr, comp_tab_ptr,
                               topk_ptr, sink_ptr, out_ptr, H, W, BS, EPB, RATIO, TOPK, scale,
                               stride_qt, stride_qh, stride_swt, stride_ct, stride_tk, stride_ot, stride_oh,

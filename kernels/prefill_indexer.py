@@ -24,7 +24,7 @@ import triton.language as tl
 from ._common import check_device, interpreting, next_pow2
 
 
-@triton.jit(do_not_specialize=["row_base", "n_cols", "stride_ot"])  # vary with the chunk / context
+@triton.jit(do_not_specialize=["row_base", "n_cols", "stride_t", "stride_ot"])  # vary with the chunk / context
 def _prefill_index_kernel(q_ptr, w_ptr, pos_ptr, req_ptr, tile_ptr, pool_ptr, tab_ptr, out_ptr, row_base,
                           H, EPB, RATIO, n_cols, scale, stride_qt, stride_qh, stride_wt, stride_t, stride_ot,
                           IEEE: tl.constexpr, INTERP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
