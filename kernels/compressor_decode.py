@@ -28,15 +28,14 @@ from ._common import check_device, cos_sin, dtype_code, interpreting, next_pow2,
 
 
 @triton.jit
-def _compressor_decode_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, ring_ptr, ent_ptr, tab_ptr, tail_ptr,
-                              norm_w_ptr, freq_ptr, stride_kv, stride_sc, stride_tab, L, EPB, BS, eps,
-                              RATIO: tl.constexpr, OVERLAP: tl.constexpr, HAS_TAIL: tl.constexpr,
-                              D: tl.constexpr, C: tl.constexpr, OWN: tl.constexpr, NWIN: tl.constexpr,
-                              ROPE_HALF: tl.constexpr, CODE: tl.constexpr, INTERP: tl.constexpr,
-                              BLOCK_R: tl.constexpr):
-    # C = coff * D columns per ring row; OWN = column offset of a token's own-window half
-    # (D for overlapping windows); NWIN = rows pooled per window (2 * RATIO when overlapping)
-    r = tl.program_id(0).to(tl.int64)
+def _compress_row(r, kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, ring_ptr, ent_ptr, tab_ptr, tail_ptr,
+                  norm_w_ptr, freq_ptr, stride_kv, stride_sc, stride_tab, L, EPB, BS, eps,
+                  RATIO: tl.constexpr, OVERLAP: tl.constexpr, HAS_TAIL: tl.constexpr,
+                  D: tl.constexpr, C: tl.constexpr, OWN: tl.constexpr, NWIN: tl.constexpr,
+                  ROPE_HALF: tl.constexpr, CODE: tl.constexpr, INTERP: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One token (row r) through the compressor.
+    C = coff * D columns per ring row; OWN = column offset of a token's own-window half
+    (D for overlapping windows); NWIN = rows pooled per window (2 * RATIO when overlapping)."""
     p = tl.load(pos_ptr + r).to(tl.int32)
     slot = tl.load(slot_ptr + r).to(tl.int64)
     d = tl.arange(0, D)
@@ -121,17 +120,42 @@ def _compressor_decode_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, ring_p
             tl.store(dst + D, sc_a)
 
 
+@triton.jit(do_not_specialize=["n_rows"])
+def _compressor_decode_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, ring_ptr, ent_ptr, tab_ptr, tail_ptr,
+                              norm_w_ptr, freq_ptr, starts_ptr, n_rows, stride_kv, stride_sc, stride_tab, L, EPB,
+                              BS, eps, GROUPED: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr,
+                              HAS_TAIL: tl.constexpr, D: tl.constexpr, C: tl.constexpr, OWN: tl.constexpr,
+                              NWIN: tl.constexpr, ROPE_HALF: tl.constexpr, CODE: tl.constexpr,
+                              INTERP: tl.constexpr, BLOCK_R: tl.constexpr):
+    # one program per request; its rows (consecutive positions) in order, each after a
+    # barrier so that the ring rows the previous one wrote are visible to every thread
+    g = tl.program_id(0).to(tl.int64)
+    if GROUPED:
+        lo = tl.load(starts_ptr + g).to(tl.int64)
+        hi = tl.minimum(tl.load(starts_ptr + g + 1).to(tl.int64), n_rows)
+    else:
+        lo = g
+        hi = g + 1
+    for row in range(lo, hi):
+        tl.debug_barrier()
+        _compress_row(row, kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, ring_ptr, ent_ptr, tab_ptr,
+                      tail_ptr, norm_w_ptr, freq_ptr, stride_kv, stride_sc, stride_tab, L, EPB, BS, eps,
+                      RATIO, OVERLAP, HAS_TAIL, D, C, OWN, NWIN, ROPE_HALF, CODE, INTERP, BLOCK_R)
+
+
 def compressor_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
                       slots: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor, table: torch.Tensor,
                       tail: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor,
-                      ratio: int, overlap: bool, block_size: int) -> None:
-    """In-place decode update of one compressor for R requests (see the module doc).
+                      ratio: int, overlap: bool, block_size: int, row_starts: torch.Tensor | None = None) -> None:
+    """In-place decode update of one compressor for T rows (see the module doc).
 
-    kv, score: [R, C] projections ``wkv(x)``, ``wgate(x)`` (row-strided views allowed);
-    ape [ratio, C] f32; positions, slots [R] int; ring [slots, L, 2, C] f32; entries
-    [blocks, block_size // ratio, d]; table [R, W] int block ids of the entry group;
-    tail [blocks, ratio, 2, d] f32 (overlap only); norm_weight [d] f32; inv_freq
-    [rope_dim / 2] f32 of the compressed rotary."""
+    kv, score: [T, C] projections ``wkv(x)``, ``wgate(x)`` (row-strided views allowed);
+    ape [ratio, C] f32; positions, slots [T] int; ring [slots, L, 2, C] f32; entries
+    [blocks, block_size // ratio, d]; table [T, W] int block ids of the entry group (per
+    row); tail [blocks, ratio, 2, d] f32 (overlap only); norm_weight [d] f32; inv_freq
+    [rope_dim / 2] f32 of the compressed rotary. ``row_starts`` [G + 1] int32: group g
+    (one request's consecutive positions, e.g. a token and its drafts) is rows
+    [row_starts[g], row_starts[g + 1]), processed in order; None = every row its own group."""
     check_device(kv)
     n, c = kv.shape
     d = entries.shape[-1]
@@ -142,12 +166,14 @@ def compressor_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, 
     if n == 0:
         return
     half = inv_freq.numel()
-    _compressor_decode_kernel[(n,)](
+    groups = n if row_starts is None else row_starts.numel() - 1
+    _compressor_decode_kernel[(groups,)](
         kv, score, ape.float().contiguous(), positions, slots, ring, entries, table,
         tail if tail is not None else ring, norm_weight.float().contiguous(),
         inv_freq.to(device=kv.device, dtype=torch.float32).contiguous(),
+        row_starts if row_starts is not None else positions, n,
         kv.stride(0), score.stride(0), table.stride(0), ring.shape[1], entries.shape[1], block_size, float(eps),
-        RATIO=ratio, OVERLAP=overlap, HAS_TAIL=tail is not None, D=d, C=c, OWN=d if overlap else 0,
+        GROUPED=row_starts is not None, RATIO=ratio, OVERLAP=overlap, HAS_TAIL=tail is not None, D=d, C=c, OWN=d if overlap else 0,
         NWIN=2 * ratio if overlap else ratio, ROPE_HALF=half, CODE=dtype_code(kv.dtype), INTERP=interpreting(),
         BLOCK_R=min(16, next_pow2(2 * ratio if overlap else ratio)), num_warps=4 if d <= 128 else 8)
 
@@ -155,10 +181,27 @@ def compressor_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, 
 def compressor_decode_ref(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
                           slots: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor, table: torch.Tensor,
                           tail: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                          inv_freq: torch.Tensor, ratio: int, overlap: bool, block_size: int) -> None:
-    """Torch reference with the signature of :func:`compressor_decode`: batched over the
-    requests with the model's own pieces (``RMSNorm``, ``Rotary.cos_sin``, ``apply_rope``)
-    and ``Compressor.forward``'s window layout; closing / block-end writes via torch.where."""
+                          inv_freq: torch.Tensor, ratio: int, overlap: bool, block_size: int,
+                          row_starts: torch.Tensor | None = None) -> None:
+    """Torch reference with the signature of :func:`compressor_decode`: the j-th rows of
+    every group together, j = 0, 1, ... in order (:func:`_rows_ref`)."""
+    args = (ape, ring, entries, tail, norm_weight, eps, inv_freq, ratio, overlap, block_size)
+    if row_starts is None:
+        return _rows_ref(kv, score, positions, slots, table, *args)
+    starts = row_starts.long().clamp(max=kv.shape[0])
+    n_rows = starts[1:] - starts[:-1]
+    for j in range(int(n_rows.max()) if n_rows.numel() else 0):
+        rows = (starts[:-1] + j)[n_rows > j]
+        _rows_ref(kv[rows], score[rows], positions[rows], slots[rows], table[rows], *args)
+
+
+def _rows_ref(kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              table: torch.Tensor, ape: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor,
+              tail: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor,
+              ratio: int, overlap: bool, block_size: int) -> None:
+    """One token per request (distinct requests, or copies of one row), batched with the
+    model's own pieces (``RMSNorm``, ``Rotary.cos_sin``, ``apply_rope``) and
+    ``Compressor.forward``'s window layout; closing / block-end writes via torch.where."""
     from types import SimpleNamespace
 
     from deepinfer.models.norm import RMSNorm

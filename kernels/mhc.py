@@ -230,10 +230,13 @@ def hc_post_pre(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, co
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
             norm_eps: float, norm: tuple[torch.Tensor, float] | None = None,
-            prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+            return_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``mhc.hc_head`` -> x [T, D] (``RMSNorm(x)`` with ``norm``); ``prev=(out, post, comb)``
-    first applies the last sublayer's ``hc_post``."""
-    return _launch(streams, fn, base, scale, 0, hc_eps, norm_eps, True, prev, norm)[3]
+    first applies the last sublayer's ``hc_post``. ``return_streams``: (x, the streams the
+    head collapsed) (the model's final streams, e.g. for an MTP drafter)."""
+    new, _, _, x = _launch(streams, fn, base, scale, 0, hc_eps, norm_eps, True, prev, norm)
+    return (x, streams if new is None else new) if return_streams else x
 
 
 # ----------------------------------------------------------------------------- references
@@ -261,10 +264,11 @@ def hc_post_pre_ref(out, streams, post, comb, fn, base, scale, iters, hc_eps, no
     return (new,) + hc_pre_ref(new, fn, base, scale, iters, hc_eps, norm_eps, norm)
 
 
-def hc_head_ref(streams, fn, base, scale, hc_eps, norm_eps, norm=None, prev=None):
+def hc_head_ref(streams, fn, base, scale, hc_eps, norm_eps, norm=None, prev=None, return_streams=False):
     """Torch reference of :func:`hc_head`: (``mhc.hc_post``), ``mhc.hc_head`` (+ RMSNorm)."""
     from deepinfer.models import mhc
 
     if prev is not None:
         streams = mhc.hc_post(prev[0], streams, prev[1], prev[2])
-    return _ref_norm(mhc.hc_head(streams, fn, base, scale, hc_eps, norm_eps), norm)
+    x = _ref_norm(mhc.hc_head(streams, fn, base, scale, hc_eps, norm_eps), norm)
+    return (x, streams) if return_streams else x

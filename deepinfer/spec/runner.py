@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from deepinfer import batch_invariant
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.sampler import SamplingTensors
 from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, phase
@@ -25,9 +26,16 @@ from .step_curve import OnlineStepTimeCurve
 from .verify import drafts_to_verify, rejection_sample
 
 
-def forward_capture(model, batch, cache, layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+def forward_capture(model, batch, cache, layers: tuple[int, ...], fast=None, so=None
+                    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """`DeepseekV4Model.forward` that also returns the INPUT streams [T, N, D] of ``layers``
-    (their attention input: DSpark's target features)."""
+    (their attention input: DSpark's target features). ``fast`` (the runner's GPU fast
+    path) runs verify steps (every request a token and its drafts) batched."""
+    if fast is not None:
+        hidden = dict.fromkeys(layers)
+        streams = fast.forward_streams(so, batch, hidden if layers else None)
+        if streams is not None:
+            return streams, hidden
     if not layers:
         return model(batch, cache), {}
     hidden: dict = dict.fromkeys(layers)
@@ -120,7 +128,8 @@ class SpecDecoder:
         with phase(PREPARE_INPUTS):
             batch = runner.build_batch(so)
         with phase(MODEL):
-            streams, hidden = forward_capture(model, batch, runner.cache, tuple(self.drafter.target_layers))
+            fast = runner.fast if runner.replay is None and not batch_invariant.enabled() else None
+            streams, hidden = forward_capture(model, batch, runner.cache, tuple(self.drafter.target_layers), fast, so)
         picks = [i for i, r in enumerate(so.scheduled) if r.needs_sample]
         valid = [r.num_tokens - r.num_draft_tokens for r in so.scheduled]
         emitted: list[list[int] | None] = [None] * len(so.scheduled)

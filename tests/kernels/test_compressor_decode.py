@@ -67,3 +67,47 @@ def test_compressor_decode_rejects_mismatched_width() -> None:
                           torch.zeros(2, dtype=torch.long, device=DEVICE), ring, entries,
                           torch.zeros(2, 2, dtype=torch.int32, device=DEVICE), None, torch.ones(32, device=DEVICE),
                           1e-6, torch.ones(8, device=DEVICE), 4, True, BS)
+
+
+@pytest.mark.parametrize("overlap,ratio", [(True, 4), (False, 8)])
+def test_grouped_rows_match_compressor_forward(fresh_seed: int, overlap: bool, ratio: int) -> None:
+    """Several consecutive tokens of one request (a token and its drafts) in one launch, the
+    rows processed in order: the same ring, entries and tail as the model's Compressor.forward
+    over that chunk, with windows closing and a block ending inside it (float32)."""
+    from deepinfer.models.compressor import Compressor, CompressorStore
+    from deepinfer.models.kv_cache import SeqMeta
+    from deepinfer.models.rope import Rotary
+
+    g = gen(fresh_seed)
+    torch.manual_seed(fresh_seed)
+    hidden, d, extra = 16, 32, 8  # extra ring rows: the spec rings' k + 1
+    comp = Compressor(hidden, d, ratio, overlap, 1e-6, torch.float32).to(DEVICE)
+    with torch.no_grad():
+        for p in comp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    rotary = Rotary(16, 160000.0, {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536})
+    c, ring_len = comp.wkv.out_features, (2 * ratio if overlap else ratio) + extra
+    n_blocks, table = 6, [4, 1, 5, 0]
+    store = CompressorStore(torch.zeros(n_blocks, BS // ratio, d, device=DEVICE),
+                            torch.zeros(2, ring_len, 2, c, device=DEVICE),
+                            torch.zeros(n_blocks, ratio, 2, d, device=DEVICE) if overlap else None, "csa")
+    prefix, chunk = 10, 9  # positions 10..18: windows close at 11, 15 (and 17 for ratio 4); block end at 15
+    x = torch.randn(prefix + chunk, hidden, generator=g).to(DEVICE)
+    with torch.no_grad():
+        comp(x[:prefix], SeqMeta(0, prefix, 0, {"csa": table}, 1, is_new=True), store, rotary, BS)
+        state = [t.clone() if t is not None else None for t in (store.ring, store.entries, store.tail)]
+        comp(x[prefix:], SeqMeta(prefix, chunk, 0, {"csa": table}, 1), store, rotary, BS)
+        kv, score = comp.wkv(x[prefix:]), comp.wgate(x[prefix:])
+    pos = torch.arange(prefix, prefix + chunk, device=DEVICE)
+    slots = torch.ones(chunk, dtype=torch.long, device=DEVICE)
+    tab = torch.tensor([table] * chunk, dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, chunk], dtype=torch.int32, device=DEVICE)
+    inv = rotary.inv_freq.to(DEVICE)
+    for fn in (compressor_decode_ref, compressor_decode):
+        ring, entries, tail = [t.clone() if t is not None else None for t in state]
+        fn(kv, score, comp.ape, pos, slots, ring, entries, tab, tail, comp.norm.weight, comp.norm.eps, inv, ratio,
+           overlap, BS, row_starts=starts)
+        assert torch.allclose(ring, store.ring), fn.__name__
+        assert_close(entries, store.entries, torch.float32)
+        if overlap:
+            assert torch.allclose(tail, store.tail), fn.__name__

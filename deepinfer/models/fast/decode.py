@@ -1,8 +1,10 @@
-"""Batched pure-decode attention of DeepSeek-V4: one query token per request, every request
-of the step at once, no Python loop over requests and no host sync (CUDA-graph safe).
+"""Batched decode attention of DeepSeek-V4: a few query tokens per request (one, or a
+token and its drafts), every request of the step at once, no Python loop over requests
+and no host sync (CUDA-graph safe).
 
 Mirrors ``Attention.forward`` / ``Compressor.forward`` / ``Indexer.select`` for the case
-``seq.length == 1 and not seq.is_new``:
+``seq.length <= MAX_ROWS and not seq.is_new`` (every kernel works per row; a request's rows
+go through its compressors in order):
 
 * the window KV row of each request is normed, rotated and scattered into the swa pool
   at its position (``norm_rope``);
@@ -74,9 +76,11 @@ def kernel_ops(kind: str) -> SimpleNamespace:
 class DecodeMeta:
     """Device inputs of a pure-decode step (views of the runner's :class:`StepInputs`).
 
-    ids, positions, slots (compressor ring slots): [R] int32; tables: group -> [R, width]
-    int32 physical block ids (padding = 0, never read for a visible row); ``graphed``:
-    the step replays a CUDA graph (R is then its padded bucket)."""
+    ids, positions, slots (compressor ring slots): [R] int32 per row; tables: group ->
+    [R, width] int32 physical block ids (padding = 0, never read for a visible row);
+    starts [R + 1]: each request's rows (consecutive positions; None = one row each);
+    ``graphed``: the step replays a CUDA graph (R is then its padded bucket); ``n_rows``:
+    the real rows."""
 
     positions: torch.Tensor
     slots: torch.Tensor
@@ -84,7 +88,9 @@ class DecodeMeta:
     width: int
     ops: Any
     ids: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
     graphed: bool = False
+    n_rows: int = 0
 
 
 def _inv_freq(rotary: Rotary, device: torch.device) -> torch.Tensor:
@@ -101,7 +107,7 @@ def _compress(ops: Any, comp: torch.nn.Module, kv: torch.Tensor, score: torch.Te
     """``Compressor.forward`` for one new token per request, all requests at once."""
     ops.compressor_decode(kv, score, comp.ape, meta.positions, meta.slots, store.ring, store.entries,
                           meta.tables32[store.group], store.tail, comp.norm.weight, comp.norm.eps, inv_freq,
-                          comp.ratio, comp.overlap, block_size)
+                          comp.ratio, comp.overlap, block_size, row_starts=meta.starts)
 
 
 def attention_decode(attn: torch.nn.Module, x: torch.Tensor, ctx: Any) -> torch.Tensor:

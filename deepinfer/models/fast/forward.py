@@ -27,11 +27,9 @@ def _mhc_args(layer: torch.nn.Module, which: str) -> tuple[torch.Tensor, torch.T
     return getattr(layer, f"hc_{which}_fn"), getattr(layer, f"hc_{which}_base"), getattr(layer, f"hc_{which}_scale")
 
 
-def decode_logits(model: Any, batch: ForwardBatch, cache: KVCache,
-                  capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-    """Float32 logits [R, V] of every row of a pure-decode batch (``batch.decode`` set).
-    ``capture`` (numerics studies): for every layer id among its keys, ``capture[i]`` is set
-    to that layer's input streams [R, N, D], as ``DeepseekV4Model.forward`` does."""
+def _layers(model: Any, batch: ForwardBatch, cache: KVCache, capture: dict | None) -> tuple:
+    """Every layer; returns (streams, (last sublayer output, post, comb)) with the last
+    ``hc_post`` still to apply (it is fused into the head)."""
     cfg, ops = model.cfg, batch.decode.ops
     iters, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
     ctx = model.context(batch, cache)
@@ -52,6 +50,27 @@ def decode_logits(model: Any, batch: ForwardBatch, cache: KVCache,
         streams, post, comb, x = ops.hc_post_pre(out, streams, post, comb, *_mhc_args(layer, "ffn"), iters,
                                                  hc_eps, eps, norm)
         prev = (moe_forward(layer.ffn, x, batch.input_ids, ops), post, comb)
-    x = ops.hc_head(streams, model.hc_head_fn, model.hc_head_base, model.hc_head_scale, hc_eps, eps,
-                    (model.norm.weight, model.norm.eps), prev)
-    return model.head(x).float()
+    return streams, prev
+
+
+def _head(model: Any, ops: Any, streams: torch.Tensor, prev: tuple, return_streams: bool):
+    cfg = model.cfg
+    return ops.hc_head(streams, model.hc_head_fn, model.hc_head_base, model.hc_head_scale, cfg.hc_eps,
+                       cfg.rms_norm_eps, (model.norm.weight, model.norm.eps), prev, return_streams=return_streams)
+
+
+def decode_logits(model: Any, batch: ForwardBatch, cache: KVCache,
+                  capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """Float32 logits [R, V] of every row of a decode batch (``batch.decode`` set).
+    ``capture``: for every layer id among its keys, ``capture[i]`` is set to that layer's
+    input streams [R, N, D], as ``DeepseekV4Model.forward`` does."""
+    streams, prev = _layers(model, batch, cache, capture)
+    return model.head(_head(model, batch.decode.ops, streams, prev, False)).float()
+
+
+def decode_streams(model: Any, batch: ForwardBatch, cache: KVCache,
+                   capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """The final streams [R, N, D] of every row (what ``DeepseekV4Model.forward`` returns:
+    speculative verify computes its own logits from them and hands them to the drafter)."""
+    streams, prev = _layers(model, batch, cache, capture)
+    return _head(model, batch.decode.ops, streams, prev, True)[1]

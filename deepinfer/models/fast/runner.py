@@ -10,10 +10,13 @@ emulated eagerly on the same padded buffers when ``DEEPINFER_CUDA_GRAPHS=1``);
 ``DEEPINFER_ACCELERATOR=cpu`` keeps the reference path (the cache is then on the host).
 ``DEEPINFER_CUDA_GRAPHS=0`` keeps CUDA decode eager.
 
-Inputs: one int32 buffer per (rows, table width) holds ids | positions | slots | every
-group's block table as contiguous views (:class:`StepInputs`); a step costs one pinned
-host -> device copy plus the device copy of its token ids (async scheduling fills those
-on the device), and nothing is rebuilt inside the graph.
+Steps: every request continues with 1..MAX_ROWS tokens (a decode token, or a token and its
+drafts in a speculative verify step; the spec runner calls :meth:`forward_streams`).
+
+Inputs: one int32 buffer per (rows, table width) holds ids | positions | slots | request
+row groups | every group's block table as contiguous views (:class:`StepInputs`); a step
+costs one pinned host -> device copy plus the device copy of its token ids (async
+scheduling fills those on the device), and nothing is rebuilt inside the graph.
 
 CUDA graphs: one graph per (batch bucket 1, 2, 4, ..., max_graph_batch; table width),
 captured the first time a pure-decode step of that shape runs (after an eager warm-up
@@ -36,10 +39,12 @@ from deepinfer.config import register_env_var
 
 from ..kv_cache import ForwardBatch
 from .decode import DecodeMeta, kernel_ops
-from .forward import decode_logits
+from .forward import decode_logits, decode_streams
 from .moe import supported as moe_supported
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: Most tokens of one request a step may feed on this path (a token + up to 7 drafts).
+MAX_ROWS = 8
 
 register_env_var("DEEPINFER_FASTPATH", "auto|0|1|ref|triton: fast path of pure-decode steps (auto = bf16/fp16 on CUDA, 1 = any dtype; "
                  "ref / triton force it on the host with the torch references / interpreted kernels: tests)")
@@ -52,20 +57,24 @@ def _next_pow2(n: int) -> int:
 
 @dataclass
 class StepInputs:
-    """Device int32 inputs of a decode step with ``rows`` rows: views of one flat buffer."""
+    """Device int32 inputs of a decode step with ``rows`` rows: views of one flat buffer.
+    ``starts`` [rows + 1]: group g (one request's consecutive rows: a token and its drafts,
+    or a padded row) is rows [starts[g], starts[g + 1]); later groups are empty."""
 
     flat: torch.Tensor
     ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
+    starts: torch.Tensor
     tables: dict[str, torch.Tensor]
 
     @classmethod
     def allocate(cls, rows: int, width: int, groups: list[str], device: torch.device) -> StepInputs:
-        flat = torch.zeros((3 + len(groups) * width) * rows, dtype=torch.int32, device=device)
-        tables = {g: flat[(3 + i * width) * rows:(3 + (i + 1) * width) * rows].view(rows, width)
+        head = 4 * rows + 1
+        flat = torch.zeros(head + len(groups) * width * rows, dtype=torch.int32, device=device)
+        tables = {g: flat[head + i * width * rows:head + (i + 1) * width * rows].view(rows, width)
                   for i, g in enumerate(groups)}
-        return cls(flat, flat[:rows], flat[rows:2 * rows], flat[2 * rows:3 * rows], tables)
+        return cls(flat, flat[:rows], flat[rows:2 * rows], flat[2 * rows:3 * rows], flat[3 * rows:head], tables)
 
 
 class FastPath:
@@ -78,7 +87,7 @@ class FastPath:
         self.graphs_enabled = graphs
         self.max_graph_batch = BUCKETS[-1]
         self._inputs: dict[tuple[int, int], StepInputs] = {}  # persistent per graph shape
-        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._graphs: dict[tuple, tuple[Any, Any]] = {}  # key -> (graph, its static outputs)
         self._pool = None
         self.stats = {"fast_steps": 0, "graph_steps": 0, "captures": 0}
 
@@ -112,42 +121,52 @@ class FastPath:
         return cls(model, cache, ops, graphs)
 
     # ---- per-step inputs -------------------------------------------------------------
-    def _pure_decode(self, so: Any) -> bool:
-        return bool(so.scheduled) and all(r.num_tokens == 1 and not r.is_new for r in so.scheduled) and all(
-            moe_supported(layer.ffn) for layer in self.model.layers)
+    def _decode_like(self, so: Any) -> bool:
+        """Every request continues (not newly admitted) with at most MAX_ROWS tokens: a decode
+        token, a token and its drafts (speculative verify), or a short last chunk."""
+        return bool(so.scheduled) and all(1 <= r.num_tokens <= MAX_ROWS and not r.is_new for r in so.scheduled) \
+            and all(moe_supported(layer.ffn) for layer in self.model.layers)
 
-    def _graphed(self, so: Any) -> bool:
-        return (self.graphs_enabled and len(so.scheduled) <= self.max_graph_batch
+    def _graphed(self, so: Any, n_rows: int) -> bool:
+        return (self.graphs_enabled and n_rows <= self.max_graph_batch
                 and all(r.needs_sample for r in so.scheduled))
 
     def _host_inputs(self, so: Any, width: int, rows: int) -> torch.Tensor:
         """The flat int32 layout of :class:`StepInputs` on the host (pinned on CUDA: the
-        copy never makes the host wait for the stream); rows past the batch repeat row 0,
-        ids are filled on the device."""
-        n = len(so.scheduled)
-        head = np.zeros((3, rows), dtype=np.int32)
-        head[1, :n] = [r.start_pos for r in so.scheduled]
-        head[2, :n] = [r.state_slot for r in so.scheduled]
+        copy never makes the host wait for the stream); rows past the batch repeat row 0
+        (each its own group), ids are filled on the device."""
+        lens = [r.num_tokens for r in so.scheduled]
+        n = sum(lens)
+        head = np.zeros(4 * rows + 1, dtype=np.int32)
+        pos, slot, starts = head[rows:2 * rows], head[2 * rows:3 * rows], head[3 * rows:]
         tables = np.zeros((len(self.groups), rows, width), dtype=np.int32)
-        for j, r in enumerate(so.scheduled):
+        row = 0
+        for req, m in zip(so.scheduled, lens):
+            pos[row:row + m] = np.arange(req.start_pos, req.start_pos + m)
+            slot[row:row + m] = req.state_slot
             for i, g in enumerate(self.groups):
-                t = r.block_table[g][:width]
-                tables[i, j, :len(t)] = t
-        head[:, n:], tables[:, n:] = head[:, :1], tables[:, :1]
-        flat = torch.from_numpy(np.concatenate([head.ravel(), tables.ravel()]))
+                t = req.block_table[g][:width]
+                tables[i, row:row + m, :len(t)] = t
+            row += m
+        pos[n:], slot[n:], tables[:, n:] = pos[0], slot[0], tables[:, :1]
+        k = len(lens)
+        starts[:k] = np.cumsum([0] + lens[:-1])
+        starts[k:k + rows - n] = np.arange(n, rows)  # padded rows: one group each
+        starts[k + rows - n:] = rows
+        flat = torch.from_numpy(np.concatenate([head, tables.ravel()]))
         return flat.pin_memory() if self.device.type == "cuda" else flat
 
     def _width(self, so: Any) -> int:
         need = max(len(r.block_table[g]) for r in so.scheduled for g in self.groups)
         return _next_pow2(max(need, 1))
 
-    def prepare(self, so: Any, batch: ForwardBatch) -> DecodeMeta | None:
-        """Fill the step's device inputs (None for prefill / mixed steps). Graphed steps use
-        their bucket's persistent buffer (padded rows repeat row 0)."""
-        if not self._pure_decode(so):
+    def prepare(self, so: Any, batch: ForwardBatch, eager: bool = False) -> DecodeMeta | None:
+        """Fill the step's device inputs (None unless :meth:`_decode_like`). Graphed steps use
+        their bucket's persistent buffer (padded rows repeat row 0); ``eager`` never pads."""
+        if not self._decode_like(so):
             return None
-        n, width = len(so.scheduled), self._width(so)
-        graphed = self._graphed(so)
+        n, width = batch.num_tokens, self._width(so)
+        graphed = not eager and self._graphed(so, n)
         rows = next(b for b in BUCKETS if b >= n) if graphed else n
         inputs = self._inputs.get((rows, width)) if graphed else None
         if inputs is None:
@@ -160,7 +179,7 @@ class FastPath:
             inputs.ids[n:].copy_(inputs.ids[:1].expand(rows - n))
         self.stats["fast_steps"] += 1
         return DecodeMeta(inputs.positions, inputs.slots, inputs.tables, width, self.ops, ids=inputs.ids,
-                          graphed=graphed)
+                          starts=inputs.starts, graphed=graphed, n_rows=n)
 
     # ---- execution -------------------------------------------------------------------
     def _logits(self, meta: DecodeMeta, capture: dict | None = None) -> torch.Tensor:
@@ -173,6 +192,31 @@ class FastPath:
         :func:`forward.decode_logits` (numerics studies)."""
         return self._logits(batch.decode, capture)
 
+    def _streams(self, meta: DecodeMeta, layers: tuple[int, ...]) -> tuple[torch.Tensor, dict]:
+        batch = ForwardBatch(meta.ids, meta.positions, [])
+        batch.decode = meta
+        capture = dict.fromkeys(layers) if layers else None
+        return decode_streams(self.model, batch, self.cache, capture), capture or {}
+
+    def forward_streams(self, so: Any, batch: ForwardBatch, capture: dict | None = None) -> torch.Tensor | None:
+        """Final streams [T, N, D] of a decode-like step (speculative verify: the spec runner
+        computes its logits and drafts from them), from a CUDA graph per (rows bucket, table
+        width, captured layers) when one fits, else eagerly; None when the step is not
+        decode-like. ``capture`` as ``DeepseekV4Model.forward``'s (the drafter's layers)."""
+        meta = self.prepare(so, batch)
+        if meta is None:
+            return None
+        layers = tuple(sorted(capture)) if capture else ()
+        if meta.graphed:
+            streams, hidden = self._replay(("streams", meta.ids.shape[0], meta.width, layers), meta,
+                                           lambda m: self._streams(m, layers))
+        else:
+            streams, hidden = self._streams(meta, layers)
+        n = meta.n_rows
+        for i in layers:
+            capture[i] = hidden[i][:n]
+        return streams[:n]
+
     def run(self, so: Any, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits [R, V] of a pure-decode step (``batch.decode`` from :meth:`prepare`):
         replayed from its CUDA graph (captured on first use) or run eagerly."""
@@ -184,25 +228,29 @@ class FastPath:
         meta: DecodeMeta | None = batch.decode
         if meta is None or not meta.graphed:
             return None
-        n, key = len(so.scheduled), (meta.ids.shape[0], meta.width)
+        return self._replay((meta.ids.shape[0], meta.width), meta, self._logits)[:meta.n_rows]
+
+    def _replay(self, key: tuple, meta: DecodeMeta, fn: Any) -> Any:
+        """``fn(meta)``'s outputs from the CUDA graph of ``key`` (captured on first use, after
+        an eager warm-up: decode writes are idempotent); eager on a host cache (tests)."""
         self.stats["graph_steps"] += 1
-        if self.device.type != "cuda":  # host emulation (tests): the padded buffers, eagerly
-            return self._logits(meta)[:n]
+        if self.device.type != "cuda":  # host emulation: the padded buffers, eagerly
+            return fn(meta)
         entry = self._graphs.get(key)
         if entry is None:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm-up (Triton compiles); decode writes are idempotent
-                self._logits(meta)
+            with torch.cuda.stream(stream):  # warm-up (Triton compiles)
+                fn(meta)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the async engine may run steps in a worker thread while the main one schedules
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                logits = self._logits(meta)
+                out = fn(meta)
             if self._pool is None:
                 self._pool = graph.pool()
-            entry = self._graphs[key] = (graph, logits)
+            entry = self._graphs[key] = (graph, out)
             self.stats["captures"] += 1
-        graph, logits = entry
+        graph, out = entry
         graph.replay()
-        return logits[:n]
+        return out
