@@ -14,8 +14,8 @@ checkpoint on disk) and served by the engine:
    fast path over their own caches) with its verdict;
 2. decode at batch 1 / 16 / 64 / 256 (32-token prompts, graphs) and prefill of 2k and 8k
    tokens (one request, the engine's prefill path), with GB/s and TFLOP/s against the
-   ceilings (profiling/fastpath_roofline.py) and the kernels of one graphed decode step
-   (torch profiler: launches per step, top kernels by GPU time);
+   ceilings (profiling/fastpath_roofline.py) and the kernels of a graphed decode step at
+   batch 1 and 64 (torch profiler: launches per step, GPU busy vs wall time, top kernels);
 3. HF transformers' eager generate() on the same config in the same run (model freed
    first), and our ratio to it.
 
@@ -202,28 +202,39 @@ def prefill_speed(llm, costs: ModelCosts, tokens: int) -> dict:
             **roofline(costs.prefill_bytes(tokens), costs.prefill_flops(tokens), wall)}
 
 
-def kernel_profile(llm, batch: int, new: int = 6) -> dict:
-    """Kernels of graphed decode steps (CUDA only): launches per step and top kernels."""
+def kernel_profile(llm, batch: int, short: int = 4, extra: int = 8) -> dict:
+    """Kernels of graphed decode steps (CUDA only): two generates of the same prompts that
+    differ by ``extra`` decode steps, so the difference is per decode step (model, sampler,
+    input copies; no prefill): launches, GPU busy time against the step's wall time, and the
+    top kernels by GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     prompts = [token_ids(9000 + i, 32, llm.model_config.vocab_size) for i in range(batch)]
-    sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
-    before = llm.runner.fast.stats["graph_steps"]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
-        sync()
-    steps = max(1, llm.runner.fast.stats["graph_steps"] - before)
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_name: dict = {}
-    for e in events:
-        t = by_name.setdefault(e.name, [0, 0.0])
-        t[0] += 1
-        t[1] += e.device_time
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
-    return {"batch": batch, "graph_steps": steps, "kernels_per_step_incl_prefill": round(len(events) / steps, 1),
-            "gpu_us_per_step_incl_prefill": round(sum(v[1] for v in by_name.values()) / steps, 1),
-            "top_kernels_us_per_step": {k[:80]: round(v[1] / steps, 1) for k, v in top}}
+    counts = {}
+    for new in (short, short + extra):
+        sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)  # warm / captured
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+            sync()
+            wall = time.perf_counter() - t
+        by_name: dict = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                v = by_name.setdefault(e.name, [0, 0.0])
+                v[0] += 1
+                v[1] += e.device_time
+        counts[new] = (by_name, wall)
+    (a_names, a_wall), (b_names, b_wall) = counts[short], counts[short + extra]
+    diff = {k: (v[0] - a_names.get(k, [0, 0.0])[0], v[1] - a_names.get(k, [0, 0.0])[1]) for k, v in b_names.items()}
+    kernels = sum(c for c, _ in diff.values()) / extra
+    gpu_us = sum(t for _, t in diff.values()) / extra
+    step_us = (b_wall - a_wall) / extra * 1e6
+    top = sorted(diff.items(), key=lambda kv: -kv[1][1])[:12]
+    return {"batch": batch, "kernels_per_decode_step": round(kernels, 1), "gpu_busy_us_per_step": round(gpu_us, 1),
+            "wall_us_per_step": round(step_us, 1), "gpu_busy_frac": round(gpu_us / max(step_us, 1e-9), 3),
+            "top_kernels_us_per_step": {k[:80]: round(t / extra, 1) for k, (_, t) in top}}
 
 
 # ---------------------------------------------------------------------------- driver
@@ -286,7 +297,8 @@ def run_size(name: str, cfg, args, out: dict, budget: Budget) -> None:
         phase(res, f"prefill_{n}", budget, 15, prefill_speed, llm, costs, n)
         res["prefill"].append(res.pop(f"prefill_{n}"))
     if not args.tiny:
-        phase(res, "kernel_profile_b16", budget, 15, kernel_profile, llm, 16)
+        for b in (1, 64):
+            phase(res, f"kernel_profile_b{b}", budget, 15, kernel_profile, llm, b)
     release(llm)
     del llm, model
     gc.collect()
