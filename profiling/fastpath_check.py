@@ -1,0 +1,73 @@
+"""Correctness phases of profiling/fastpath_bench.py: the engine's reference path vs its
+fast path (eager and CUDA graphs) on a mixed batch, and the teacher-forced per-layer study
+of profiling/fastpath_layers.py."""
+
+from __future__ import annotations
+
+from deepinfer import SamplingParams
+
+
+def token_ids(seed: int, n: int, vocab: int) -> list[int]:
+    """A deterministic prompt of n ids inside the vocabulary (away from special ids 0-9)."""
+    return [(seed * 7919 + 31 * j) % (vocab - 20) + 10 for j in range(n)]
+
+
+def set_mode(llm, mode: str) -> None:
+    """reference: both fast paths off; eager / graphs: the fast paths on."""
+    runner = llm.runner
+    runner.fast, runner.fast_prefill = (None, None) if mode == "reference" else llm._fast_paths
+    if runner.fast is not None:
+        runner.fast.graphs_enabled = mode == "graphs"
+
+
+def generate_recording(llm, prompts, sp) -> tuple[list, list]:
+    steps: list = []
+    sample = llm.runner.sampler.sample
+
+    def wrapped(logits, params):
+        steps.append(logits.float().cpu())
+        return sample(logits, params)
+
+    llm.runner.sampler.sample = wrapped
+    try:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    finally:
+        llm.runner.sampler.sample = sample
+    return [o.token_ids for o in outs], steps
+
+
+def compare(ra, rb) -> dict:
+    """Per-row logits rel err on rows whose tokens so far agree, and greedy agreement."""
+    (ta, la), (tb, lb) = ra, rb
+    errs = []
+    for step, (a, b) in enumerate(zip(la, lb)):
+        if a.shape != b.shape:
+            break
+        errs += [float((a[r] - b[r]).norm() / a[r].norm()) for r in range(a.shape[0]) if ta[r][:step] == tb[r][:step]]
+    agree = sum(x == y for s, t in zip(ta, tb) for x, y in zip(s, t))
+    return {"greedy_token_agreement": f"{agree}/{sum(len(s) for s in ta)}",
+            "row_logits_rel_err_max": max(errs) if errs else None,
+            "row_logits_rel_err_mean": sum(errs) / len(errs) if errs else None, "rows_compared": len(errs)}
+
+
+def check_engine(llm, new: int, lens: tuple) -> dict:
+    prompts = [token_ids(i, n, llm.model_config.vocab_size) for i, n in enumerate(lens)]
+    sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    runs = {}
+    for mode in ("reference", "eager", "graphs"):
+        set_mode(llm, mode)
+        runs[mode] = generate_recording(llm, prompts, sp)
+    return {"prompt_lens": list(lens), "new_tokens": new,
+            "reference_vs_eager": compare(runs["reference"], runs["eager"]),
+            "reference_vs_graphs": compare(runs["reference"], runs["graphs"]),
+            "eager_vs_graphs": compare(runs["eager"], runs["graphs"])}
+
+
+def check_layers(model, steps: int, lens: tuple) -> dict:
+    from fastpath_layers import teacher_forced, verdict
+
+    prompts = [token_ids(100 + i, n, model.cfg.vocab_size) for i, n in enumerate(lens)]
+    kind = "triton" if next(model.parameters()).is_cuda else "ref"
+    study = teacher_forced(model, prompts, steps, kind)
+    study["verdict"] = verdict(study)
+    return study
