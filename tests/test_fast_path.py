@@ -79,3 +79,20 @@ def test_fast_decode_triton_interpreted(ckpt, monkeypatch):
     for a, b in zip(outs["0"], outs["triton"]):
         assert a.token_ids == b.token_ids
         assert all(math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-4) for x, y in zip(a.logprobs, b.logprobs))
+
+
+def test_expert_parallel_layers_keep_the_reference_path(ckpt, monkeypatch):
+    """An expert-parallel MoE replacement (this rank's expert slots, all-to-all inside) is not
+    something the fused MoE can run: a model with one takes the reference path for decode."""
+    import torch
+
+    from deepinfer.parallel.comm import EPComm
+    from deepinfer.parallel.expert_parallel import ExpertParallelMoE
+
+    monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
+    llm = LLM(ckpt, dtype="float32", max_model_len=256, max_num_seqs=2)
+    layer = llm.runner.model.layers[1]
+    layer.ffn = ExpertParallelMoE(layer.ffn, 1, torch.arange(layer.ffn.n_experts), EPComm())
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=sp, use_tqdm=False)
+    assert len(out[0].token_ids) == 3 and llm.runner.fast.stats["fast_steps"] == 0

@@ -43,7 +43,11 @@ def stacked_experts(moe: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def supported(moe: torch.nn.Module) -> bool:
-    return moe.gate.func in ("sqrtsoftplus", "sigmoid") and moe.load_counter is None
+    """A plain ``MoE`` (not an expert-parallel replacement) with a router the kernel has and
+    no load counting (EPLB counts on the reference path)."""
+    from ..moe import MoE
+
+    return isinstance(moe, MoE) and moe.gate.func in ("sqrtsoftplus", "sigmoid") and moe.load_counter is None
 
 
 def moe_forward(moe: torch.nn.Module, x: torch.Tensor, input_ids: torch.Tensor, ops: Any) -> torch.Tensor:
