@@ -27,7 +27,7 @@ from deepinfer.metrics import MetricsCollector
 from deepinfer.models.bounded_replay import ReplayConfig
 from deepinfer.models.kv_cache import group_names
 from deepinfer.models.kv_cache_v41 import WINDOW_GROUPS, new_kv_cache
-from deepinfer.models.loader import load_model
+from deepinfer.models.loader import load_model, materialize_dense_weights
 from deepinfer.models.default_model import resolve_model
 from deepinfer.models.tiny import default_checkpoint_dir
 from deepinfer.outputs import RequestMetrics, RequestOutput
@@ -77,6 +77,8 @@ class LLM:
             threads = cfg.cpu_threads or (1 if small else None)
             if threads is not None:
                 torch.set_num_threads(threads)
+            if small:  # dequantizing FP8/FP4 bytes at every call would cost more than the memory saved
+                materialize_dense_weights(self.model)
         self.config = cfg.resolve_max_model_len(self.model_config.max_position_embeddings)
         self.replay.validate_for(self.model_config)  # keep >= window + backtracking, V4.1 only
 

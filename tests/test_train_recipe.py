@@ -75,6 +75,9 @@ def test_export_loads_in_the_engine_with_the_trainers_logits(trained) -> None:
     dense = head_logits(engine, model_forward(engine, tokens).streams)
     assert float((dense - ref).detach().norm() / ref.norm()) < 1e-5
     llm = LLM(model=str(model_dir), dtype="float32", num_speculative_tokens=1)
+    lin = llm.model.layers[0].attn.wq_a  # small model on CPU: dequantized once, bytes kept for kernels
+    assert lin._parameters["weight"] is not None and lin.quantized is not None
+    assert torch.equal(lin._parameters["weight"], lin.quantized.dequantize(torch.float32))
     out = llm.generate(["the cat sees"], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     assert len(out.token_ids) == 12
     assert llm.runner.spec.metrics.proposed[0] > 0

@@ -137,6 +137,18 @@ def drop_dense_weights(model: torch.nn.Module, raw: dict[str, torch.Tensor], dev
     return dropped
 
 
+def materialize_dense_weights(model: torch.nn.Module) -> int:
+    """Give every bytes-only quantized Linear its dequantized weight back (the bytes stay).
+    For small models on the CPU reference path, where dequantizing every weight at every
+    call costs several times the step itself. Returns how many weights were materialised."""
+    count = 0
+    for mod in model.modules():
+        if isinstance(mod, Linear) and mod.quantized is not None and mod._parameters.get("weight") is None:
+            mod.weight = torch.nn.Parameter(mod.quantized.dequantize(mod.compute_dtype), requires_grad=False)
+            count += 1
+    return count
+
+
 def load_weights(model: DeepseekV4Model, path: str, strict: bool = True, show_progress: bool = False,
                  raw: dict[str, torch.Tensor] | None = None) -> dict:
     """Copy every checkpoint tensor into `model` (``raw``: the tensors, if already read).
