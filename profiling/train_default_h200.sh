@@ -11,7 +11,7 @@ set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
-python3 -m deepinfer.train.run --tokens build/tokens --tokenizer build/tokenizer --out /tmp/deepinfer-tiny \
+DEEPINFER_COMMIT="${DEEPINFER_COMMIT:-unknown}" python3 -m deepinfer.train.run --tokens build/tokens --tokenizer build/tokenizer --out /tmp/deepinfer-tiny \
     --time-budget "${1:-450}" 2>&1 | tee "$OUT/train.log"
 rc=${PIPESTATUS[0]}
 if [[ -f /tmp/deepinfer-tiny/train_result.json ]]; then

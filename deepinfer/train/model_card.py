@@ -21,10 +21,13 @@ from .evaluate import acceptance, heldout_loss
 
 SAMPLES = [  # (kind, prompt or chat messages, sampling settings)
     ("prose", "KING HENRY.\nNow, lords, ", {"temperature": 0.8, "top_p": 0.95, "seq_seed": 7}),
-    ("prose", "In the beginning", {"temperature": 0.0}),
-    ("code", "def read_lines(path):\n    \"\"\"", {"temperature": 0.0}),
-    ("chat", [{"role": "user", "content": "What is 3 + 4?"}], {"temperature": 0.0}),
+    ("prose", "ROMEO.\nBut soft, what light", {"temperature": 0.0}),
+    ("prose", "And it came to pass", {"temperature": 0.8, "top_p": 0.95, "seq_seed": 3}),
+    ("code", "def read_lines(path):\n    \"\"\"", {"temperature": 0.8, "top_p": 0.95, "seq_seed": 1}),
+    ("code", "import os\n\n\ndef main():\n", {"temperature": 0.0}),
     ("chat", [{"role": "user", "content": "Who are you?"}], {"temperature": 0.0}),
+    ("chat", [{"role": "user", "content": "Convert to JSON: name: Ada; age: 36"}], {"temperature": 0.0}),
+    ("chat", [{"role": "user", "content": "What is 3 + 4?"}], {"temperature": 0.0}),
 ]
 SPEC_RUNS = [  # (label, model, k, varlen)
     ("mtp k=1", "deepinfer-tiny", 1, False),
@@ -61,7 +64,9 @@ def measure(tokens_dir: str, model_dir: str) -> dict:
     card["heldout"] = heldout_loss(model_dir, val, seq_len=1024, count=32)
     card["acceptance"] = {label: acceptance(model, val, k, varlen, prompts=16, prompt_len=64, max_tokens=48)
                           for label, model, k, varlen in SPEC_RUNS}
-    card["acceptance_t1"] = {label: acceptance(model, val, k, varlen, prompts=16, prompt_len=64, max_tokens=48,
+    # temperature 1: acceptance is then the quantity the confidence head predicts (1 - TV);
+    # 64 prompts so the binned calibration error is not dominated by sampling noise
+    card["acceptance_t1"] = {label: acceptance(model, val, k, varlen, prompts=64, prompt_len=64, max_tokens=64,
                                                temperature=1.0)
                              for label, model, k, varlen in SPEC_RUNS if "dspark" in label}
     card["samples"] = samples("deepinfer-tiny")
@@ -80,7 +85,7 @@ def render(card: dict, train: dict) -> str:
     hist = _table([["step", "train CE", "held-out CE", "held-out MTP CE", "seconds"]] + [
         [str(h["step"]), f"{h['train_ce']:.3f}", f"{h['val_ce']:.3f}", f"{h['val_mtp']:.3f}", f"{h['seconds']:.0f}"]
         for h in train["history"]])
-    acc_rows = [["run", "temperature", "acceptance per draft position (P accepted | verified)",
+    acc_rows = [["run", "temperature", "acceptance per draft position (P accepted, given verified)",
                  "P(k accepted \\| k-1 accepted)", "mean accepted", "tokens / step"]]
     for key, temp in (("acceptance", "0 (greedy)"), ("acceptance_t1", "1.0")):
         for label, a in card.get(key, {}).items():
@@ -113,7 +118,7 @@ def render(card: dict, train: dict) -> str:
         val_tokens=train["val_tokens"] / 1e3, best=train["best_val_loss"], ce=h["ce"], ppl=h["perplexity"],
         crops=h["crops"], seq=h["seq_len"], history=hist, acceptance=_table(acc_rows), calibration=cal,
         calibration_engine=cal_engine,
-        quotes=quotes, machine=card["machine"], date=card["measured"], settings=json.dumps(train["settings"]))
+        commit=card.get("training_commit", train["commit"]), quotes=quotes, machine=card["machine"], date=card["measured"], settings=json.dumps(train["settings"]))
 
 
 TEMPLATE = """# deepinfer-tiny: the embedded default model
@@ -141,7 +146,8 @@ makes things up, gets arithmetic wrong and repeats itself; do not use it for any
 
 ## Training
 
-`bash profiling/train_default_h200.sh` on one {hw} (torch {torch}): {secs:.0f} s in all.
+`bash profiling/train_default_h200.sh` on one {hw} (torch {torch}): {secs:.0f} s in all, from
+commit {commit} of this repository.
 Phase A (model + MTP stage, loss CE + 0.3 MTP CE, indexers by KL to the attention) took
 {steps_a} steps of 32 x 1,024 tokens = {tokens:.1f}M tokens ({epochs:.1f} passes over the
 {train_tokens:.2f}M training tokens); phase B (DSpark stages on the frozen model, 0.1 CE +
@@ -168,7 +174,8 @@ own crops was {best:.3f}. Reproduce on a CPU (the corpus rebuilds byte for byte,
 
 ## Speculative decoding on held-out prompts
 
-16 held-out prompts of 64 tokens, 48 new tokens each, through `LLM` on {machine}
+Held-out prompts of 64 tokens through `LLM` on {machine}: 16 prompts x 48 new tokens greedy,
+64 prompts x 64 new tokens at temperature 1
 (`python -m deepinfer.train.model_card`; single runs with
 `python -m deepinfer.train.evaluate accept --model deepinfer-tiny-dspark -k 5 --varlen --tokens build/tokens`).
 "scheduled" is confidence-scheduled verification (`DEEPINFER_ENABLE_MTP_VARLEN=1`).
@@ -182,12 +189,19 @@ the cumulative products of confidences against the expected survival of each pre
 {calibration}
 
 The same check through the engine: DSpark k=5 with fixed verification at temperature 1 on
-the held-out prompts above (the engine's `SpecMetrics.calibration()`: the product of the
+64 held-out prompts (64 new tokens each) (the engine's `SpecMetrics.calibration()`: the product of the
 confidences of drafts 1..k, binned, against whether verification accepted all of them):
 
 {calibration_engine}
 
+(With scheduled verification the verified prefixes are the ones the scheduler chose for
+their high confidence, so the same table there measures a selected subset, not the head.)
+
 ## Samples (engine, float32, from the checkpoint)
+
+Greedy decoding of a model this small falls into loops; sampled text keeps the style of its
+sources (Shakespeare, the KJV, stdlib docstrings) without their sense. The chat format,
+JSON shape and self-description are learned; facts and arithmetic are not.
 
 {quotes}
 
@@ -207,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", required=True)
     p.add_argument("--model-dir", default=None)
     p.add_argument("--render-only", action="store_true", help="re-render README.md from card.json")
+    p.add_argument("--training-commit", default=None,
+                   help="the commit the checkpoint was trained from, when train_result.json's is wrong")
     args = p.parse_args(argv)
     from deepinfer.models.default_model import packaged_model_dir
 
@@ -216,6 +232,10 @@ def main(argv: list[str] | None = None) -> None:
         card = json.load(open(card_file))
     else:
         card = measure(args.tokens, model_dir)
+        with open(card_file, "w") as f:
+            json.dump(card, f, indent=1, ensure_ascii=False)
+    if args.training_commit:
+        card["training_commit"] = args.training_commit
         with open(card_file, "w") as f:
             json.dump(card, f, indent=1, ensure_ascii=False)
     train = json.load(open(os.path.join(model_dir, "train_result.json")))

@@ -31,6 +31,9 @@ from .vocab import special_ids
 
 
 def _commit() -> str:
+    """DEEPINFER_COMMIT when set (a device's copy of the tree may carry a stale .git), else HEAD."""
+    if os.environ.get("DEEPINFER_COMMIT"):
+        return os.environ["DEEPINFER_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
