@@ -136,6 +136,9 @@ class EngineConfig:
     #: torch intra-op threads on CPU; None = 1 for small models (thread hand-offs cost more
     #: than tiny matmuls gain, badly so on a loaded machine), torch's default otherwise.
     cpu_threads: int | None = None
+    #: on the CPU reference path, keep dequantized copies of FP8/FP4 weights beside their
+    #: bytes (faster steps, more memory); None = yes for small models (hidden_size <= 1024)
+    cpu_dense_weights: bool | None = None
     block_size: int = 128
     chunked_prefill: bool = True
     enable_prefix_caching: bool = True
@@ -238,6 +241,8 @@ class EngineConfig:
         check_int("kv_cache_memory_bytes", 1, optional=True)
         check_int("num_kv_blocks", 1, optional=True)
         check_int("cpu_threads", 1, optional=True)
+        if self.cpu_dense_weights is not None and not isinstance(self.cpu_dense_weights, bool):
+            fail("cpu_dense_weights", "True, False or None (auto)", self.cpu_dense_weights)
         check_int("block_size", 1)
         if self.block_size & (self.block_size - 1):
             fail("block_size", "a power of two >= 1", self.block_size)

@@ -29,7 +29,6 @@ from deepinfer.models.kv_cache import group_names
 from deepinfer.models.kv_cache_v41 import WINDOW_GROUPS, new_kv_cache
 from deepinfer.models.loader import load_model, materialize_dense_weights
 from deepinfer.models.default_model import resolve_model
-from deepinfer.models.tiny import default_checkpoint_dir
 from deepinfer.outputs import RequestMetrics, RequestOutput
 from deepinfer.platform import get_platform
 from deepinfer.profiling.markers import SCHEDULE, UPDATE, phase
@@ -68,7 +67,7 @@ class LLM:
         cfg = self.config
         self.platform = get_platform(cfg.accelerator)  # fails fast: ConfigError names what is missing
         self.device = self.platform.device()
-        self.model_dir = resolve_model(cfg.model) if cfg.model else default_checkpoint_dir()
+        self.model_dir = resolve_model(cfg.model)  # None -> DEEPINFER_HF_MODEL_DIR, else the trained default
         torch.manual_seed(cfg.seed)
         self.model = load_model(self.model_dir, dtype=cfg.dtype, device=str(self.device))
         self.model_config = self.model.cfg
@@ -77,7 +76,8 @@ class LLM:
             threads = cfg.cpu_threads or (1 if small else None)
             if threads is not None:
                 torch.set_num_threads(threads)
-            if small:  # dequantizing FP8/FP4 bytes at every call would cost more than the memory saved
+            # dequantizing FP8/FP4 bytes at every call costs more than the memory it saves
+            if cfg.cpu_dense_weights if cfg.cpu_dense_weights is not None else small:
                 materialize_dense_weights(self.model)
         self.config = cfg.resolve_max_model_len(self.model_config.max_position_embeddings)
         self.replay.validate_for(self.model_config)  # keep >= window + backtracking, V4.1 only

@@ -1,10 +1,13 @@
 """Offline inference, as DeepInfer users run it:
 
-    python examples/offline_inference.py                  # the embedded tiny model
+    python examples/offline_inference.py                  # the embedded trained tiny model
+    python examples/offline_inference.py --model deepinfer-tiny-dspark --speculative 5
     DEEPINFER_HF_MODEL_DIR=/path/to/ckpt python examples/offline_inference.py
 
-The embedded default is a random-weight DeepSeek-V4-architecture checkpoint, so its
-text is noise; the point is the whole engine running end to end.
+The embedded default (`deepinfer-tiny`, datasets/models/deepinfer-tiny) is a 19.8M-parameter
+DeepSeek-V4-architecture model trained by deepinfer/train on public-domain books, Python's
+standard library and synthetic chats: it continues prose and code in their style and
+answers in the chat format, without much sense.
 """
 
 from __future__ import annotations
@@ -16,19 +19,21 @@ from deepinfer import LLM, SamplingParams
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="checkpoint dir (default: DEEPINFER_HF_MODEL_DIR, else tiny)")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--model", default=None,
+                        help="checkpoint dir or embedded name (default: DEEPINFER_HF_MODEL_DIR, else deepinfer-tiny)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--speculative", type=int, default=0, help="draft tokens per step (MTP or DSpark)")
     args = parser.parse_args()
 
-    llm = LLM(args.model, seed=0)
+    llm = LLM(args.model, seed=0, num_speculative_tokens=args.speculative)
     prompts = [
-        "Hello, my name is",
-        "The capital of France is",
-        "def fibonacci(n):",
-        "In a hole in the ground there lived",
+        "KING HENRY.\nNow, lords,",
+        "And it came to pass",
+        "def read_lines(path):\n    \"\"\"",
+        "The first thing to know about Python is",
     ]
-    params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seq_seed=i)
+    params = [SamplingParams(temperature=args.temperature, top_p=0.95, max_tokens=args.max_tokens, seq_seed=i)
               for i in range(len(prompts))]
     outputs = llm.generate(prompts, params)
     for out in outputs:

@@ -281,7 +281,7 @@ def bench_variant(name: str, path: str, args: argparse.Namespace, results: dict)
     g = torch.Generator().manual_seed(1)
     engine = dict(max_model_len=max(args.lengths + list(CHECK_LENS)) + 8, max_num_seqs=8,
                   max_num_batched_tokens=args.budget, enable_prefix_caching=False,
-                  **({"gpu_memory_utilization": 0.45} if ON_GPU else {}))
+                  **({"gpu_memory_utilization": 0.45} if ON_GPU else {"cpu_dense_weights": False}))
     lens = [n for n in CHECK_LENS if n <= args.check_max_len]
     t0 = time.time()
     truth_llm = LLM(path, dtype="float32", **engine)  # the reference path in float32: the check's truth

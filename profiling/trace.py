@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     reqs = scale_workload(load_workload(args.workload), args.requests,
                           output_len=args.skip_steps + args.steps + 4, max_len=args.max_model_len)
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in reqs]
-    cap = capture_trace(llm, prompt_token_ids=synth_prompts(reqs), sampling_params=params, num_steps=args.steps,
+    cap = capture_trace(llm, prompt_token_ids=synth_prompts(reqs, vocab_size=llm.model_config.vocab_size), sampling_params=params, num_steps=args.steps,
                         skip_steps=args.skip_steps, out_dir=args.out_dir, name=args.name)
     html = os.path.join(args.out_dir, f"{args.name}_timeline.html")
     cap.figure().write_html(html, include_plotlyjs="cdn")

@@ -23,7 +23,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM()
+    return LLM("deepinfer-tiny-random")  # the real V4 vocabulary (the fallback-path checks need it)
 
 
 def test_chat_renders_through_recipe_and_tiny_model_answers(llm: LLM) -> None:

@@ -78,6 +78,10 @@ def test_export_loads_in_the_engine_with_the_trainers_logits(trained) -> None:
     lin = llm.model.layers[0].attn.wq_a  # small model on CPU: dequantized once, bytes kept for kernels
     assert lin._parameters["weight"] is not None and lin.quantized is not None
     assert torch.equal(lin._parameters["weight"], lin.quantized.dequantize(torch.float32))
+    lean = LLM(model=str(model_dir), dtype="float32", cpu_dense_weights=False)  # bytes only, same tokens
+    assert lean.model.layers[0].attn.wq_a._parameters["weight"] is None
+    with pytest.raises(Exception, match="cpu_dense_weights"):
+        LLM(model=str(model_dir), cpu_dense_weights="yes")
     out = llm.generate(["the cat sees"], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     assert len(out.token_ids) == 12
     assert llm.runner.spec.metrics.proposed[0] > 0

@@ -1,6 +1,6 @@
 """Deterministic random-weight DeepSeek-V4 checkpoints in the official layout.
 
-`write_tiny_checkpoint(path, seed=0)` writes `deepinfer-tiny`: 4 layers covering HCA,
+`write_tiny_checkpoint(path, seed=0)` writes `deepinfer-tiny-random`: 4 layers covering HCA,
 CSA and sliding-only attention, hash-routed and routed MoE, mHC and one MTP stage, with
 the real 129,280-token vocabulary, so the tokenizer, loader and engine run end to end
 with no download. Any config can be written (tests use small vocabularies), optionally
@@ -27,7 +27,7 @@ from .config_v41 import DeepseekV41Config
 from .deepseek_v4 import DeepseekV4Model
 from .quant import quantize_fp4, quantize_fp8_block
 
-TINY_NAME = "deepinfer-tiny"
+TINY_NAME = "deepinfer-tiny-random"  # the trained default is `deepinfer-tiny` (models/default_model.py)
 
 
 def tiny_config(**overrides: object) -> DeepseekV4Config:
@@ -214,7 +214,8 @@ def write_tiny_checkpoint(path: str, seed: int = 0, quantize: bool = False, cfg:
 
 
 def default_checkpoint_dir() -> str:
-    """Where the embedded default model lives; written on first use (a few seconds)."""
+    """Where the random-weight tiny checkpoint (`deepinfer-tiny-random`) lives; written on
+    first use (a few seconds)."""
     root = os.environ.get("DEEPINFER_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "deepinfer"))
     path = os.path.join(root, f"{TINY_NAME}-seed0")
     if not os.path.exists(os.path.join(path, "model.safetensors.index.json")):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
-import os
 import weakref
 from collections.abc import Sequence
 from multiprocessing.connection import wait
@@ -27,7 +26,7 @@ from tqdm.auto import tqdm
 from deepinfer.engine.inputs import expand_sampling_params
 from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError
 from deepinfer.llm import LLM
-from deepinfer.models.tiny import default_checkpoint_dir
+from deepinfer.models.default_model import resolve_model
 from deepinfer.outputs import RequestOutput
 from deepinfer.parallel.eplb import RebalanceReport
 from deepinfer.parallel.launcher import WorkerSpec, dist_timeout_s, find_free_port, split_kwargs, worker_main
@@ -106,7 +105,7 @@ class DPLLM(LLM):
         if isinstance(kw.get("placement"), ExpertPlacement):
             kw["placement"] = kw["placement"].to_dict()
         split_kwargs(kw)  # bad EPLB settings / placements fail here, before any process starts
-        model = model or os.environ.get("DEEPINFER_HF_MODEL_DIR") or default_checkpoint_dir()
+        model = resolve_model(model)
         spec = WorkerSpec(model, tokenizer, world, find_free_port(), accelerator, dist_timeout_s(), ep > 1, kw)
         ctx = _context()
         self._procs, self._conns = [], []

@@ -95,7 +95,7 @@ def _run(llm: LLM, reqs: Sequence[WorkloadRequest], seed: int) -> pd.DataFrame:
 
     llm.metrics.reset()
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0) for r in reqs]
-    llm.generate(prompt_token_ids=synth_prompts(reqs, seed), sampling_params=params, use_tqdm=False)
+    llm.generate(prompt_token_ids=synth_prompts(reqs, seed, llm.model_config.vocab_size), sampling_params=params, use_tqdm=False)
     return llm.metrics.steps_df()
 
 

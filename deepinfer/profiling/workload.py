@@ -24,7 +24,8 @@ __all__ = ["WorkloadRequest", "load_workload", "synth_prompts", "scale_workload"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The tiny CPU workload shipped with the repository.
 DEFAULT_WORKLOAD = "datasets/workloads/tiny_chat.jsonl"
-# Token ids used for synthetic prompts: ordinary vocabulary, clear of special tokens.
+# Token ids used for synthetic prompts: ordinary vocabulary, clear of special tokens
+# (the upper end is capped by the model's vocabulary).
 _TOKEN_RANGE = (1000, 100_000)
 
 
@@ -85,8 +86,13 @@ def scale_workload(reqs: Sequence[WorkloadRequest], num_requests: int | None = N
     return out
 
 
-def synth_prompts(reqs: Sequence[WorkloadRequest], seed: int = 0) -> list[list[int]]:
-    """Random token-id prompts with the workload's lengths (deterministic per ``seed``)."""
+def synth_prompts(reqs: Sequence[WorkloadRequest], seed: int = 0, vocab_size: int | None = None) -> list[list[int]]:
+    """Random token-id prompts with the workload's lengths (deterministic per ``seed``),
+    drawn from ordinary ids below ``vocab_size`` (the model's; None = the V4 vocabulary)."""
     rng = random.Random(seed)
     lo, hi = _TOKEN_RANGE
+    if vocab_size is not None:
+        if vocab_size <= lo:
+            raise ValueError(f"vocab_size must be > {lo} for synthetic prompts, got {vocab_size}")
+        hi = min(hi, vocab_size)
     return [[rng.randrange(lo, hi) for _ in range(r.prompt_len)] for r in reqs]

@@ -28,7 +28,7 @@ TINY_ENGINE_KWARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 1024,
 
 def tiny_llm(model: str | None = None, **overrides: Any) -> LLM:
     """An ``LLM`` with :data:`TINY_ENGINE_KWARGS` (overridable); ``model=None`` is the
-    embedded random-weight tiny checkpoint."""
+    embedded trained tiny model (``deepinfer-tiny``)."""
     from deepinfer.llm import LLM
 
     return LLM(model, **{**TINY_ENGINE_KWARGS, **overrides})

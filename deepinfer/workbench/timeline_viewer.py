@@ -69,7 +69,7 @@ class TimelineViewer(Panel):
 
         params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in reqs]
         self.status.value = "<i>capturing...</i>"
-        self.last = capture_trace(self.llm, prompt_token_ids=synth_prompts(reqs), sampling_params=params,
+        self.last = capture_trace(self.llm, prompt_token_ids=synth_prompts(reqs, vocab_size=self.llm.model_config.vocab_size), sampling_params=params,
                                   num_steps=self.num_steps.value, out_dir=self.out_dir, name="timeline-viewer")
         self.redraw()
         return self.last
