@@ -11,7 +11,8 @@ checkpoint on disk) and served by the engine:
    reference path, the fast path eager and the fast path with CUDA graphs (per-step
    logits rel err on rows with equal history, greedy agreement), then the teacher-forced
    per-layer study of profiling/fastpath_layers.py (float32 truth vs bf16 reference vs bf16
-   fast path over their own caches) with its verdict;
+   fast path over their own caches) with its verdict, and the batched prefill path vs the
+   reference on one prefill step (profiling/fastpath_check.py);
 2. decode at batch 1 / 16 / 64 / 256 (32-token prompts, graphs) and prefill of 2k and 8k
    tokens (one request, the engine's prefill path), with GB/s and TFLOP/s against the
    ceilings (profiling/fastpath_roofline.py) and the kernels of a graphed decode step at
@@ -41,7 +42,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
-from fastpath_check import check_engine, check_layers, set_mode, token_ids  # noqa: E402
+from fastpath_check import check_engine, check_layers, check_prefill, set_mode, token_ids  # noqa: E402
 from fastpath_roofline import ModelCosts, roofline  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
@@ -219,6 +220,8 @@ def run_size(name: str, cfg, args, out: dict, budget: Budget) -> None:
     phase(res, "check_engine", budget, 20, check_engine, llm, args.check_tokens, lens)
     if name == "mini" or args.tiny:
         phase(res, "check_layers", budget, 20, check_layers, model, args.check_tokens, (5, 127, 300))
+    if llm.runner.fast_prefill is not None:  # rows before / behind the first HCA entry, and a long one
+        phase(res, "check_prefill", budget, 20, check_prefill, model, (40, 127, 129, 300))
     set_mode(llm, "graphs")
     res["decode"] = []
     for b in args.batches:

@@ -71,3 +71,47 @@ def check_layers(model, steps: int, lens: tuple) -> dict:
     study = teacher_forced(model, prompts, steps, kind)
     study["verdict"] = verdict(study)
     return study
+
+
+def check_prefill(model, lens: tuple) -> dict:
+    """The batched prefill path (deepinfer/models/fast/prefill.py) vs the reference path on one
+    prefill step of fresh requests, each over its own cache: per request the rel err of the
+    final streams (all rows, and the worst row with its position) and of the last row's logits.
+    Lengths past a compressed window (e.g. 129 > 128) put rows behind a closed HCA entry."""
+    import torch
+
+    from deepinfer.models.fast.prefill import PrefillPath, prefill_ops
+    from deepinfer.models.kv_cache import ForwardBatch, SeqMeta
+    from deepinfer.models.standalone import StandaloneRunner
+
+    dev = next(model.parameters()).device
+    prompts = [token_ids(200 + i, n, model.cfg.vocab_size) for i, n in enumerate(lens)]
+    runs = [StandaloneRunner(model, len(lens), max(lens) + 8) for _ in range(2)]
+
+    def batch_of(run) -> ForwardBatch:
+        seqs, ids, pos, off = [], [], [], 0
+        for i, p in enumerate(prompts):
+            seqs.append(SeqMeta(0, len(p), off, run._table(i), i, is_new=True, prompt_len=len(p)))
+            ids += p
+            pos += range(len(p))
+            off += len(p)
+        return ForwardBatch(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), seqs)
+
+    with torch.no_grad():
+        ref_batch = batch_of(runs[0])
+        ref = model(ref_batch, runs[0].cache)
+        path = PrefillPath(model, runs[1].cache, prefill_ops("triton" if dev.type == "cuda" else "ref"))
+        batch = batch_of(runs[1])
+        fast = path.forward(batch, path.prepare(batch))
+        last = [s.offset + s.length - 1 for s in ref_batch.seqs]
+        l_ref, l_fast = model.compute_logits(ref[last]), model.compute_logits(fast[last])
+    out = {}
+    for i, s in enumerate(ref_batch.seqs):
+        rows = slice(s.offset, s.offset + s.length)
+        a, b = fast[rows].float().flatten(1), ref[rows].float().flatten(1)
+        per_row = (a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-30)
+        out[f"len{s.length}"] = {"streams_rel_err_mean": round(float(per_row.mean()), 5),
+                                 "worst_row_rel_err": round(float(per_row.max()), 5),
+                                 "worst_row_position": int(per_row.argmax()),
+                                 "last_logits_rel_err": round(float((l_fast[i] - l_ref[i]).norm() / l_ref[i].norm()), 5)}
+    return out

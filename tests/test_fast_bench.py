@@ -27,6 +27,7 @@ def test_bench_tiny_end_to_end(tmp_path, monkeypatch, capsys):
         agree, total = map(int, check[pair]["greedy_token_agreement"].split("/"))
         assert agree == total > 0 and check[pair]["rows_compared"] > 0
     assert mini["check_layers"]["verdict"]["pass"]
+    assert mini["check_prefill"]["len129"]["last_logits_rel_err"] == 0.0  # torch references: exact
     assert [r["batch"] for r in mini["decode"]] == [1, 4] and all(r["tok_s"] > 0 for r in mini["decode"])
     assert [r["path"] for r in mini["prefill"]] == ["fast_prefill", "fast_prefill"]
     assert len(mini["hf"]["decode"]) == 2 and all(r["tok_s"] > 0 for r in mini["hf"]["prefill"])
