@@ -38,8 +38,8 @@ write_tiny_checkpoint('/tmp/mini', seed=0, cfg=mini_like_config('mini'), dtype=t
         --device-note h200 --out-dir "$OUT"
     ;;
   bench)
-    logged fastpath 380 python3 profiling/fastpath_bench.py --sizes mini,flash4 --budget-s 330 --out "$RES"
-    TAIL=10 logged prefill 150 python3 profiling/prefill_bench.py --out "$RES" --commit "${DEEPINFER_COMMIT:-unknown}"
+    logged fastpath 400 python3 profiling/fastpath_bench.py --sizes mini,flash4 --budget-s 360 --out "$RES"
+    TAIL=10 logged prefill 130 python3 profiling/prefill_bench.py --out "$RES" --commit "${DEEPINFER_COMMIT:-unknown}"
     pack
     ;;
   features)
