@@ -18,7 +18,6 @@ import os
 import time
 
 import pandas as pd
-import plotly.graph_objects as go
 
 from deepinfer.profiling import records
 from deepinfer.profiling.sweep import SweepSpec, run_sweep
@@ -31,8 +30,10 @@ CONFIGS = {  # label -> (model, engine kwargs)
 }
 
 
-def decode_chart(df: pd.DataFrame, hardware: str) -> go.Figure:
-    """One tok/s-per-user vs tok/s-per-device line per configuration."""
+def decode_chart(df: pd.DataFrame, hardware: str):
+    """One tok/s-per-user vs tok/s-per-device line per configuration (a plotly Figure)."""
+    import plotly.graph_objects as go
+
     fig = go.Figure()
     for label, d in df.groupby("config", sort=False):
         d = d.sort_values("batch_size")
@@ -70,17 +71,28 @@ def main(argv: list[str] | None = None) -> None:
         frames.append(df)
         meta[label] = {"seconds": time.perf_counter() - t0, "skipped": res.meta.get("skipped", []),
                        "engine": {"model": model, **kwargs}}
+        cols = ["batch_size", "decode_step_ms", "effective_tokens_per_step", "tok_s_per_user", "tok_s_per_device"]
+        print(f"[{label}] {meta[label]['seconds']:.0f} s\n" + df[[c for c in cols if c in df]].to_string(index=False),
+              flush=True)
     df = pd.concat(frames, ignore_index=True)
-    hw = records.hardware_name()
+    import re
+
+    import torch
+
+    hw = torch.cuda.get_device_name() if torch.cuda.is_available() else records.hardware_name()
     sha, dirty = records.git_commit()
-    name = args.name or f"spec_decode_chart_{hw.split(' (')[0].replace(' ', '_').lower()}"
+    name = args.name or "spec_decode_chart_" + re.sub(r"[^a-z0-9]+", "_", hw.lower()).strip("_")
     os.makedirs(args.out_dir, exist_ok=True)
     df.to_csv(os.path.join(args.out_dir, f"{name}.csv"), index=False)
     with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
         json.dump({"meta": {**meta, "hardware": hw, "commit": sha, "dirty": dirty, "batches": batches},
                    "rows": json.loads(df.to_json(orient="records"))}, f, indent=1)
-    fig = decode_chart(df, hw)
-    fig.write_html(os.path.join(args.out_dir, f"{name}_decode.html"), include_plotlyjs="cdn")
+    try:
+        fig = decode_chart(df, hw)
+    except ImportError:  # a machine without plotly still records the numbers
+        fig = None
+    if fig is not None:
+        fig.write_html(os.path.join(args.out_dir, f"{name}_decode.html"), include_plotlyjs="cdn")
     cols = ["config", "batch_size", "decode_step_ms", "effective_tokens_per_step", "tok_s_per_user", "tok_s_per_device"]
     print(df[[c for c in cols if c in df]].to_string(index=False, float_format=lambda v: f"{v:,.2f}"))
 

@@ -106,6 +106,7 @@ def measure_batch(llm: LLM, batch: int, max_v: int, steps: int, deadline: float,
                 break
             spec.k = v - 1  # RandomDrafter proposes exactly k drafts; attach keeps them (fixed length)
             timed_step(llm)  # warm-up: its drafts were attached under the previous k
+            timed_step(llm)  # warm-up at the new verify shape (first use: graph capture, kernel compiles)
             times, verified = [], []
             for _ in range(steps):
                 times.append(timed_step(llm))

@@ -194,7 +194,12 @@ def run_sweep(llm: LLM | None = None, spec: SweepSpec | None = None, engine_kwar
     Points not started within ``time_budget_s`` are skipped (listed in ``meta["skipped"]``)."""
     import pandas as pd
 
-    from deepinfer.profiling import charts, records
+    from deepinfer.profiling import records
+
+    try:
+        from deepinfer.profiling import charts
+    except ImportError:
+        charts = None
 
     spec = spec or SweepSpec()
     if llm is None:
@@ -230,7 +235,8 @@ def run_sweep(llm: LLM | None = None, spec: SweepSpec | None = None, engine_kwar
     df = pd.DataFrame(rows)
     for key in ("commit", "hardware", "device", "dtype", "max_model_len", "model"):
         df[key] = meta[key]
-    figures = {"prefill": charts.prefill_chart(df), "decode": charts.decode_chart(df)}
+    figures = ({"prefill": charts.prefill_chart(df), "decode": charts.decode_chart(df)}
+               if charts is not None else {})  # a machine without plotly still records the numbers
     res = SweepResult(df=df, meta=meta, figures=figures)
     if out_dir is not None:
         res.paths = records.write_results(df, meta, figures, out_dir, name or meta["default_name"], png=write_png)
