@@ -66,13 +66,14 @@ def _ebnf_ok(s: str) -> bool:
 
 
 def valid(spec: dict, text: str) -> bool:
-    # strict=False: xgrammar lets raw control characters into JSON strings (random weights emit them)
+    # strict parsing: raw control characters inside strings are invalid JSON (the compiler
+    # closes xgrammar's gap for length-bounded strings, deepinfer/structured/compiler.py)
     try:
         if "json" in spec:
-            jsonschema.validate(json.loads(text, strict=False), spec["json"])
+            jsonschema.validate(json.loads(text), spec["json"])
             return True
         if "json_object" in spec:
-            return isinstance(json.loads(text, strict=False), dict)
+            return isinstance(json.loads(text), dict)
     except (json.JSONDecodeError, jsonschema.ValidationError):
         return False
     if "regex" in spec:

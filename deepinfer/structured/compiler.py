@@ -34,6 +34,19 @@ __all__ = ["GrammarCompilerPool", "clean_xgrammar_error"]
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
+# xgrammar (0.2.x) writes the characters of length-bounded JSON strings (minLength /
+# maxLength) as [^"\\\r\n], which admits raw control characters: invalid JSON (RFC 8259
+# wants them escaped) that strict parsers reject. Its unbounded strings already exclude
+# them; bounded ones get the same class.
+_BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\\\r\\n]'
+
+
+def valid_json_strings(ebnf: str) -> str:
+    """A converted JSON-schema grammar (EBNF text) whose string characters are all legal JSON."""
+    return ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+
+
 def clean_xgrammar_error(error: BaseException) -> str:
     """xgrammar's message without its ``[time] file.cc:line:`` prefix."""
     return _LOG_PREFIX.sub("", str(error).strip())
@@ -87,7 +100,8 @@ class GrammarCompilerPool:
     def _compile(self, spec: StructuredOutputSpec) -> xgrammar.CompiledGrammar:
         kind, source = self.prepare(spec)
         if kind in ("json", "json_object"):
-            return self.compiler.compile_json_schema(source, **self._json_options(spec))
+            grammar = self._xgr.Grammar.from_json_schema(source, **self._json_options(spec))
+            return self.compiler.compile_grammar(valid_json_strings(str(grammar)))
         if kind == "regex":
             return self.compiler.compile_regex(source)
         return self.compiler.compile_grammar(source)
