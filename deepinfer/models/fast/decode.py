@@ -33,7 +33,7 @@ import torch
 
 from ..kv_cache import GROUP_CSA, GROUP_HCA, GROUP_SWA
 from ..rope import Rotary
-from .fused_weights import project
+from .fused_weights import attention_inputs
 
 
 def _ensure_kernels_importable() -> None:
@@ -121,21 +121,11 @@ def attention_decode(attn: torch.nn.Module, x: torch.Tensor, ctx: Any) -> torch.
     """
     meta: DecodeMeta = ctx.batch.decode
     ops, cfg, cache, pos = meta.ops, attn.cfg, ctx.cache, meta.positions
-    eps, bs, n = cfg.rms_norm_eps, cache.block_size, x.shape[0]
+    bs, n = cache.block_size, x.shape[0]
     inv = _inv_freq(ctx.rotary_compress if attn.ratio else ctx.rotary_main, x.device)
     comp, ix = attn.compressor, attn.indexer
-    x_side = [attn.wq_a, attn.wkv]
-    if comp is not None:
-        x_side += [comp.wkv, comp.wgate]
-    if ix is not None:
-        x_side += [ix.compressor.wkv, ix.compressor.wgate, ix.weights_proj]
-    proj = project(attn, "x", x_side, x)
-    q_res = ops.rms_norm(proj[0], attn.q_norm.weight, attn.q_norm.eps)
-    q_side = project(attn, "q", [attn.wq_b] + ([ix.wq_b] if ix is not None else []), q_res)
-    q = ops.norm_rope(q_side[0].view(n, attn.n_heads, attn.head_dim), pos, inv, "unweighted", eps=eps)
     swa = cache.swa[attn.cache_id]
-    ops.norm_rope(proj[1], pos, inv, "weighted", attn.kv_norm.weight, attn.kv_norm.eps, pool=swa,
-                  table=meta.tables32[GROUP_SWA])
+    proj, q_side, q = attention_inputs(attn, x, ops, pos, inv, swa, meta.tables32[GROUP_SWA])
     kv_store, index_store = attn._stores(cache)
     comp_pool = comp_table = topk = None
     max_keys = attn.window

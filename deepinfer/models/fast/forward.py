@@ -14,6 +14,7 @@ over the streams (a stride-0 view, no copy).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,13 +28,14 @@ def _mhc_args(layer: torch.nn.Module, which: str) -> tuple[torch.Tensor, torch.T
     return getattr(layer, f"hc_{which}_fn"), getattr(layer, f"hc_{which}_base"), getattr(layer, f"hc_{which}_scale")
 
 
-def _layers(model: Any, batch: ForwardBatch, cache: KVCache, capture: dict | None) -> tuple:
-    """Every layer; returns (streams, (last sublayer output, post, comb)) with the last
-    ``hc_post`` still to apply (it is fused into the head)."""
-    cfg, ops = model.cfg, batch.decode.ops
+def run_layers(model: Any, input_ids: torch.Tensor, ops: Any, attention: Callable[[torch.nn.Module, torch.Tensor],
+               torch.Tensor], capture: dict | None = None) -> tuple:
+    """Every layer with fused mHC, ``attention(layer.attn, x)`` for the sublayer (decode or
+    prefill) and the fused MoE; returns (streams, (last sublayer output, post, comb)) with the
+    last ``hc_post`` still to apply (the decode path fuses it into the head)."""
+    cfg = model.cfg
     iters, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-    ctx = model.context(batch, cache)
-    streams = model.embed(batch.input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1)
+    streams = model.embed(input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1)
     prev = None  # (sublayer output, post, comb) whose hc_post is still to apply
     for i, layer in enumerate(model.layers):
         norm = (layer.attn_norm.weight, layer.attn_norm.eps)
@@ -45,12 +47,17 @@ def _layers(model: Any, batch: ForwardBatch, cache: KVCache, capture: dict | Non
                                                      hc_eps, eps, norm)
         if capture is not None and i in capture:
             capture[i] = streams
-        out = attention_decode(layer.attn, x, ctx)
+        out = attention(layer.attn, x)
         norm = (layer.ffn_norm.weight, layer.ffn_norm.eps)
         streams, post, comb, x = ops.hc_post_pre(out, streams, post, comb, *_mhc_args(layer, "ffn"), iters,
                                                  hc_eps, eps, norm)
-        prev = (moe_forward(layer.ffn, x, batch.input_ids, ops), post, comb)
+        prev = (moe_forward(layer.ffn, x, input_ids, ops), post, comb)
     return streams, prev
+
+
+def _layers(model: Any, batch: ForwardBatch, cache: KVCache, capture: dict | None) -> tuple:
+    ctx = model.context(batch, cache)
+    return run_layers(model, batch.input_ids, batch.decode.ops, lambda attn, x: attention_decode(attn, x, ctx), capture)
 
 
 def _head(model: Any, ops: Any, streams: torch.Tensor, prev: tuple, return_streams: bool):

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 #: Ops that launch nothing (metadata, allocation) or are counted as host syncs.

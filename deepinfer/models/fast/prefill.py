@@ -31,7 +31,7 @@ from ..kv_cache import ForwardBatch, KVCache
 from ..mhc import hc_post
 from ..moe import MoE
 from .decode import _ensure_kernels_importable, kernel_ops
-from .moe import moe_forward
+from .forward import run_layers
 from .moe import supported as moe_supported
 from .prefill_attention import attention_prefill
 from .prefill_meta import PrefillMeta, build_prefill_meta
@@ -52,10 +52,6 @@ def prefill_ops(kind: str) -> SimpleNamespace:
     ops.prefill_attention = getattr(pa, "prefill_attention" + sfx)
     ops.prefill_indexer_topk = getattr(pi, "prefill_indexer_topk" + sfx)
     return ops
-
-
-def _mhc_args(layer: torch.nn.Module, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return getattr(layer, f"hc_{which}_fn"), getattr(layer, f"hc_{which}_base"), getattr(layer, f"hc_{which}_scale")
 
 
 class PrefillPath:
@@ -105,23 +101,8 @@ class PrefillPath:
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, meta: PrefillMeta) -> torch.Tensor:
         """Final streams [T, N, D] of every row (``DeepseekV4Model.forward``'s contract)."""
-        model, ops = self.model, self.ops
-        cfg = model.cfg
-        iters, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-        streams = model.embed(batch.input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1)
-        prev = None  # (sublayer output, post, comb) whose hc_post is still to apply
-        for layer in model.layers:
-            norm = (layer.attn_norm.weight, layer.attn_norm.eps)
-            if prev is None:
-                post, comb, x = ops.hc_pre(streams, *_mhc_args(layer, "attn"), iters, hc_eps, eps, norm)
-            else:
-                out, post, comb = prev
-                streams, post, comb, x = ops.hc_post_pre(out, streams, post, comb, *_mhc_args(layer, "attn"), iters,
-                                                         hc_eps, eps, norm)
-            out = attention_prefill(layer.attn, x, meta, self.cache, model.rotary_main, model.rotary_compress)
-            norm = (layer.ffn_norm.weight, layer.ffn_norm.eps)
-            streams, post, comb, x = ops.hc_post_pre(out, streams, post, comb, *_mhc_args(layer, "ffn"), iters,
-                                                     hc_eps, eps, norm)
-            prev = (moe_forward(layer.ffn, x, batch.input_ids, ops), post, comb)
+        model = self.model
+        streams, prev = run_layers(model, batch.input_ids, self.ops, lambda attn, x: attention_prefill(
+            attn, x, meta, self.cache, model.rotary_main, model.rotary_compress))
         out, post, comb = prev
         return hc_post(out, streams, post, comb)

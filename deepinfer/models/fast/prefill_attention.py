@@ -14,7 +14,7 @@ import torch
 from ..kv_cache import GROUP_CSA, GROUP_SWA, KVCache
 from ..rope import Rotary
 from .decode import _inv_freq
-from .fused_weights import project
+from .fused_weights import attention_inputs
 from .prefill_compressor import compress_prefill
 from .prefill_meta import PrefillMeta
 
@@ -33,21 +33,11 @@ def attention_prefill(attn: torch.nn.Module, x: torch.Tensor, meta: PrefillMeta,
     into the window pool), the compressors, indexer scores + top-k, the attention
     kernel, the output's inverse RoPE, wo_a, wo_b."""
     cfg, ops, pos, bs = attn.cfg, meta.ops, meta.positions, meta.block_size
-    n, eps = x.shape[0], cfg.rms_norm_eps
+    n = x.shape[0]
     inv = _inv_freq(rotary_compress if attn.ratio else rotary_main, x.device)
     comp, ix = attn.compressor, attn.indexer
-    x_side = [attn.wq_a, attn.wkv]  # the same lists (and fused-weight keys) as attention_decode
-    if comp is not None:
-        x_side += [comp.wkv, comp.wgate]
-    if ix is not None:
-        x_side += [ix.compressor.wkv, ix.compressor.wgate, ix.weights_proj]
-    proj = project(attn, "x", x_side, x)
-    q_res = ops.rms_norm(proj[0], attn.q_norm.weight, attn.q_norm.eps)
-    q_side = project(attn, "q", [attn.wq_b] + ([ix.wq_b] if ix is not None else []), q_res)
-    q = ops.norm_rope(q_side[0].view(n, attn.n_heads, attn.head_dim), pos, inv, "unweighted", eps=eps)
-    swa = cache.swa[attn.cache_id]
-    ops.norm_rope(proj[1], pos, inv, "weighted", attn.kv_norm.weight, attn.kv_norm.eps, pool=swa,
-                  table=meta.row_tables(GROUP_SWA))
+    swa = cache.swa[attn.cache_id]  # the same projections (and fused-weight keys) as attention_decode
+    proj, q_side, q = attention_inputs(attn, x, ops, pos, inv, swa, meta.row_tables(GROUP_SWA))
     kv_store, index_store = attn._stores(cache)
     extra = {}
     block_h = max(16, min(ATTN_ROWS, 1 << (attn.n_heads - 1).bit_length()))
