@@ -17,12 +17,22 @@ mixes, ``round`` = round to the activation dtype):
 
 Two launches, whatever N and D: ``_mix_kernel`` (grid: token blocks x K splits) computes
 the new streams of its K slice, their partial sum of squares and partial mix dot products
-(float32, IEEE); ``_finish_kernel`` (grid: token blocks) adds the partials in split order,
-runs the activations and all Sinkhorn iterations in registers and writes post, comb and
-the (normed) collapse. Every token's numbers depend only on its own row.
+(float32, IEEE); ``_finish_kernel`` (grid: token blocks) adds the partials (a fixed-shape
+tile reduction over the splits), runs the activations and all Sinkhorn iterations in
+registers and writes post, comb and the (normed) collapse. Every token's numbers depend
+only on its own row.
+
+Why many narrow splits: a decode step has one to a few hundred tokens, so the kernel is
+latency-bound; each mix program does ONE pass over ``SPLIT`` columns (no serial loop of
+dependent loads), and the finish kernel reads each row's partials as one contiguous tile
+(the first version looped over 512-column slices and summed the partials one split at a
+time: ~50 us per call at T=1 on an H200, half of a `mini` decode step's GPU time).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -30,8 +40,33 @@ import triton.language as tl
 
 from ._common import check_device, dtype_code, interpreting, next_pow2, round_to
 
-#: Columns of K each program of the mix kernel reduces (fixed: never derived from T).
-K_SPLIT = 512
+
+@dataclass(frozen=True)
+class MhcTuning:
+    """Launch shape of the two kernels. ``split`` (columns of K per mix program) is fixed,
+    never derived from T, so a row's sums do not depend on the batch."""
+
+    split: int = 128
+    mix_block_t: int = 16  # tl.dot needs >= 16 rows
+    mix_warps: int = 4
+    finish_block_t: int = 2
+    finish_splits: int = 16  # splits summed per tile in the finish kernel
+    finish_warps: int = 4
+
+
+#: The shape every launch uses (profiling/mhc_tuning.py sweeps alternatives on a GPU).
+TUNING = MhcTuning()
+
+
+@contextmanager
+def tuned(**fields):
+    """Temporarily launch with other :class:`MhcTuning` fields (benchmarks, tests)."""
+    global TUNING
+    saved, TUNING = TUNING, replace(TUNING, **fields)
+    try:
+        yield TUNING
+    finally:
+        TUNING = saved
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -79,14 +114,14 @@ def _mix_kernel(src_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr,
             acc_post = tl.dot(v, w, acc_post, input_precision="ieee")
             w = tl.load(fn_ptr + (2 * N + cc[None, :]) * K + kc, mask=kmask[:, None], other=0.0)
             acc_comb = tl.dot(v, w, acc_comb, input_precision="ieee")
-    # partials: [n_splits, T, 2 * NP + N * N] (pre | post | comb), [n_splits, T]
+    # partials: [T, n_splits, 2 * NP + N * N] (pre | post | comb), [T, n_splits]: a row's are contiguous
     W = 2 * NP + N * N
-    base = part_ptr + (pid_k * T + r2) * W
+    base = part_ptr + (r2 * n_splits + pid_k) * W
     tl.store(base + cp[None, :], acc_pre, mask=rmask[:, None])
     if not HEAD:
         tl.store(base + NP + cp[None, :], acc_post, mask=rmask[:, None])
         tl.store(base + 2 * NP + cc[None, :], acc_comb, mask=rmask[:, None])
-    tl.store(ss_ptr + pid_k * T + rows, ss, mask=rmask)
+    tl.store(ss_ptr + rows.to(tl.int64) * n_splits + pid_k, ss, mask=rmask)
 
 
 @triton.jit
@@ -98,7 +133,8 @@ def _sigmoid(x):
 def _finish_kernel(src_ptr, stride_st, stride_sj, part_ptr, ss_ptr, base_ptr, scale_ptr, norm_w_ptr,
                    post_ptr, comb_ptr, x_ptr, T, D, n_splits, iters, hc_eps, norm_eps, out_eps,
                    N: tl.constexpr, HEAD: tl.constexpr, HAS_NORM: tl.constexpr, CODE: tl.constexpr,
-                   INTERP: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                   INTERP: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_S: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     r2 = rows.to(tl.int64)[:, None]
@@ -109,13 +145,19 @@ def _finish_kernel(src_ptr, stride_st, stride_sj, part_ptr, ss_ptr, base_ptr, sc
     m_post = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
     m_comb = tl.zeros([BLOCK_T, N * N], dtype=tl.float32)
     ss = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for s in range(0, n_splits):  # split order: fixed, so the sums never depend on T
-        base = part_ptr + (s * T + r2) * W
-        m_pre += tl.load(base + cp[None, :], mask=rmask[:, None], other=0.0)
+    # the partials of BLOCK_S splits at once, tile-reduced: a fixed shape, so the sums never depend on T
+    r3 = r2[:, :, None]
+    for s0 in range(0, n_splits, BLOCK_S):
+        sp = s0 + tl.arange(0, BLOCK_S)
+        s3 = sp[None, :, None]
+        m3 = rmask[:, None, None] & (s3 < n_splits)
+        base = part_ptr + (r3 * n_splits + s3) * W
+        m_pre += tl.sum(tl.load(base + cp[None, None, :], mask=m3, other=0.0), axis=1)
         if not HEAD:
-            m_post += tl.load(base + NP + cp[None, :], mask=rmask[:, None], other=0.0)
-            m_comb += tl.load(base + 2 * NP + cc[None, :], mask=rmask[:, None], other=0.0)
-        ss += tl.load(ss_ptr + s * T + rows, mask=rmask, other=0.0)
+            m_post += tl.sum(tl.load(base + NP + cp[None, None, :], mask=m3, other=0.0), axis=1)
+            m_comb += tl.sum(tl.load(base + 2 * NP + cc[None, None, :], mask=m3, other=0.0), axis=1)
+        ss += tl.sum(tl.load(ss_ptr + r2 * n_splits + sp[None, :], mask=rmask[:, None] & (sp[None, :] < n_splits),
+                             other=0.0), axis=1)
     inv = tl.div_rn(1.0, tl.sqrt_rn(ss / (N * D) + norm_eps))[:, None]
     pmask = cp < N
     pre = _sigmoid(m_pre * inv * tl.load(scale_ptr) + tl.load(base_ptr + cp, mask=pmask, other=0.0)[None, :]) + hc_eps
@@ -184,10 +226,11 @@ def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
             out = out.contiguous()
         post_in, comb_in = post_in.float().contiguous(), comb_in.float().contiguous()
         new = src = torch.empty(t, n, d, dtype=dtype, device=dev)
+    tune = TUNING
     np_ = max(16, next_pow2(n))
-    n_splits = triton.cdiv(n * d, K_SPLIT)
-    part = torch.empty(n_splits, t, 2 * np_ + n * n, dtype=torch.float32, device=dev)
-    ss = torch.empty(n_splits, t, dtype=torch.float32, device=dev)
+    n_splits = triton.cdiv(n * d, tune.split)
+    part = torch.empty(t, n_splits, 2 * np_ + n * n, dtype=torch.float32, device=dev)
+    ss = torch.empty(t, n_splits, dtype=torch.float32, device=dev)
     post = torch.empty(t, n, dtype=torch.float32, device=dev)
     comb = torch.empty(t, n, n, dtype=torch.float32, device=dev)
     x = torch.empty(t, d, dtype=dtype, device=dev)
@@ -195,17 +238,18 @@ def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         return new, post, comb, x
     code, interp = dtype_code(dtype), interpreting()
     opts = {} if interp else {"enable_fp_fusion": False}
-    _mix_kernel[(triton.cdiv(t, 16), n_splits)](
+    _mix_kernel[(triton.cdiv(t, tune.mix_block_t), n_splits)](
         streams, out, post_in, comb_in, new if new is not None else x, fn, part, ss,
         t, d, streams.stride(0), streams.stride(1), out.stride(0), n_splits,
-        N=n, HAS_POST=prev is not None, HEAD=head, CODE=code, INTERP=interp, NP=np_, BLOCK_T=16,
-        BLOCK_K=64, SPLIT=K_SPLIT, num_warps=4, **opts)
+        N=n, HAS_POST=prev is not None, HEAD=head, CODE=code, INTERP=interp, NP=np_, BLOCK_T=tune.mix_block_t,
+        BLOCK_K=min(64, tune.split), SPLIT=tune.split, num_warps=tune.mix_warps, **opts)
     norm_w, out_eps = (norm[0].float().contiguous(), float(norm[1])) if norm is not None else (base, 1.0)
-    _finish_kernel[(triton.cdiv(t, 8),)](
+    _finish_kernel[(triton.cdiv(t, tune.finish_block_t),)](
         src, src.stride(0), src.stride(1), part, ss, base, scale, norm_w, post, comb, x,
         t, d, n_splits, int(iters), float(hc_eps), float(norm_eps), out_eps,
-        N=n, HEAD=head, HAS_NORM=norm is not None, CODE=code, INTERP=interp, NP=np_, BLOCK_T=8,
-        BLOCK_D=min(256, next_pow2(d)), num_warps=4, **opts)
+        N=n, HEAD=head, HAS_NORM=norm is not None, CODE=code, INTERP=interp, NP=np_, BLOCK_T=tune.finish_block_t,
+        BLOCK_D=min(256, next_pow2(d)), BLOCK_S=min(tune.finish_splits, next_pow2(n_splits)),
+        num_warps=tune.finish_warps, **opts)
     return new, post, comb, x
 
 

@@ -156,6 +156,9 @@ def measure_decode(llm: LLM, workload: Sequence[WorkloadRequest], batch: int, sp
     step_s = float(win["step_ms"].median()) / 1e3 if len(win) else float("nan")
     eff = float(win["output_tokens"].sum() / win["num_decode_reqs"].sum()) if len(win) else float("nan")
     prompt = float(np.mean([r.prompt_len for r in reqs]))
+    # why a window can come out empty: never all B decoding together (preempted, budget-bound)
+    row.update(steps_total=len(steps), max_decode_reqs=int(steps["num_decode_reqs"].max()) if len(steps) else 0,
+               preemptions=int(steps["preemptions"].sum()) if len(steps) else 0)
     row.update(batch_size=batch, prompt_len=prompt, steps_measured=len(win), decode_step_ms=step_s * 1e3,
                context_len=prompt + stagger + spec.warmup_steps + spec.measure_steps / 2,
                effective_tokens_per_step=eff, tok_s_per_user=eff / step_s, tok_s_per_device=batch * eff / step_s)

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 from kernel_testutil import DEVICE, assert_close, gen  # noqa: E402
 
 from deepinfer_kernels.mhc import (hc_head, hc_head_ref, hc_post_pre, hc_post_pre_ref, hc_pre,  # noqa: E402
-                                   hc_pre_ref)
+                                   hc_pre_ref, tuned)
 
 N, ITERS, HC_EPS, EPS = 4, 20, 1e-6, 1e-6
 
@@ -103,6 +103,27 @@ def test_hc_head(fresh_seed: int, dtype: torch.dtype, with_post: bool) -> None:
     got = hc_head(streams, fn, base, scale, HC_EPS, EPS, norm, prev)
     ref = hc_head_ref(streams, fn, base, scale, HC_EPS, EPS, norm, prev)
     assert_close(got, ref, dtype)
+
+
+@pytest.mark.parametrize("split,block_s,mix_t,fin_t", [(32, 4, 16, 2), (64, 2, 32, 4), (256, 16, 16, 8)])
+def test_hc_post_pre_launch_shapes(fresh_seed: int, split: int, block_s: int, mix_t: int, fin_t: int) -> None:
+    """Every launch shape the GPU sweep may pick computes the same numbers: narrow splits
+    whose partials the finish kernel sums over several tiles, wide splits that loop."""
+    g = gen(fresh_seed)
+    t, d = 37, 160  # K = 640: 20 / 10 / 3 splits, the last one partial
+    streams = _streams(g, t, d, torch.bfloat16)
+    post, comb, _ = hc_pre_ref(streams, *_params(g, d), ITERS, HC_EPS, EPS)
+    out = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    fn, base, scale = _params(g, d)
+    norm = _norm(g, d)
+    ref = hc_post_pre_ref(out, streams, post, comb, fn, base, scale, ITERS, HC_EPS, EPS, norm)
+    with tuned(split=split, finish_splits=block_s, mix_block_t=mix_t, finish_block_t=fin_t):
+        got = hc_post_pre(out, streams, post, comb, fn, base, scale, ITERS, HC_EPS, EPS, norm)
+        alone = hc_post_pre(out[5:6], streams[5:6], post[5:6], comb[5:6], fn, base, scale, ITERS, HC_EPS, EPS, norm)
+    for a, b, dt in zip(got[1:], ref[1:], (torch.float32, torch.float32, torch.bfloat16)):
+        assert_close(a, b, dt)
+    for a, b in zip(alone, got):  # a row's numbers do not depend on the batch around it
+        assert torch.equal(a, b[5:6])
 
 
 def test_hc_rejects_unsupported_streams() -> None:
