@@ -43,10 +43,17 @@ from ._common import check_device, dtype_code, interpreting, next_pow2, round_to
 
 @dataclass(frozen=True)
 class MhcTuning:
-    """Launch shape of the two kernels. ``split`` (columns of K per mix program) is fixed,
-    never derived from T, so a row's sums do not depend on the batch."""
+    """Launch shape of the two kernels. ``split``: columns of K per mix program for steps of
+    at most ``small_work`` = T x K elements (decode: one pass, many programs); larger steps
+    (prefill) use ``large_split`` (fewer partials to add). Measured on an H200
+    (profiling/results/mhc_tuning_h200.json): 128 beats 512 by 2.3x at T=1 and T=64 for
+    mini widths, 512 wins from T x K ~ 1M up. A row's numbers depend on its own row and on
+    which side of the threshold its step falls, never otherwise on the batch
+    (batch-invariant mode runs the reference path)."""
 
     split: int = 128
+    large_split: int = 512
+    small_work: int = 64 * 4096
     mix_block_t: int = 16  # tl.dot needs >= 16 rows
     mix_warps: int = 4
     finish_block_t: int = 2
@@ -228,7 +235,8 @@ def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         new = src = torch.empty(t, n, d, dtype=dtype, device=dev)
     tune = TUNING
     np_ = max(16, next_pow2(n))
-    n_splits = triton.cdiv(n * d, tune.split)
+    split = tune.split if t * n * d <= tune.small_work else tune.large_split
+    n_splits = triton.cdiv(n * d, split)
     part = torch.empty(t, n_splits, 2 * np_ + n * n, dtype=torch.float32, device=dev)
     ss = torch.empty(t, n_splits, dtype=torch.float32, device=dev)
     post = torch.empty(t, n, dtype=torch.float32, device=dev)
@@ -242,7 +250,7 @@ def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         streams, out, post_in, comb_in, new if new is not None else x, fn, part, ss,
         t, d, streams.stride(0), streams.stride(1), out.stride(0), n_splits,
         N=n, HAS_POST=prev is not None, HEAD=head, CODE=code, INTERP=interp, NP=np_, BLOCK_T=tune.mix_block_t,
-        BLOCK_K=min(64, tune.split), SPLIT=tune.split, num_warps=tune.mix_warps, **opts)
+        BLOCK_K=min(64, split), SPLIT=split, num_warps=tune.mix_warps, **opts)
     norm_w, out_eps = (norm[0].float().contiguous(), float(norm[1])) if norm is not None else (base, 1.0)
     _finish_kernel[(triton.cdiv(t, tune.finish_block_t),)](
         src, src.stride(0), src.stride(1), part, ss, base, scale, norm_w, post, comb, x,

@@ -107,7 +107,7 @@ def main() -> None:
             base_row[key] = {"us": round(time_us(old, a), 2), "rel_err": max_err(run_case(old, a), ref)}
         print("baseline", {k: v["us"] for k, v in base_row.items()}, flush=True)
     sweep([{}], cases, rows)  # the shipped default first
-    stage1 = [dict(split=s, mix_warps=w) for s in (64, 128, 256, 512) for w in (2, 4)]
+    stage1 = [dict(split=s, large_split=s, mix_warps=w) for s in (64, 128, 256, 512) for w in (2, 4)]
     b1 = sweep(stage1, cases, rows)
     stage2 = [dict(b1, finish_block_t=bt, finish_warps=w, finish_splits=fs)
               for bt in (1, 2, 4, 8) for w in (1, 2, 4) for fs in (16, 64)]

@@ -12,6 +12,7 @@ from deepinfer.models.kv_cache import GROUP_SWA, ForwardBatch, SeqMeta, scatter_
 from deepinfer.models.standalone import StandaloneRunner
 from deepinfer.models.tiny import init_random, tiny_config, tiny_dspark_config
 from deepinfer.spec.dspark_drafter import DSparkDrafter
+from deepinfer.models.fast.decode import kernel_ops
 from deepinfer.train.dense_dspark import draft_forward, make_blocks, target_features
 from deepinfer.train.dense_model import head_logits, model_forward, mtp_forward
 
@@ -88,6 +89,16 @@ def test_dense_draft_pass_equals_dspark_drafter() -> None:
         ref_logits, ref_hidden = drafter.draft_logits([int(tokens[0, p + 1])], [p], [table[GROUP_SWA]])
         assert _rel(logits[0, a], ref_logits[0]) < 1e-5
         assert _rel(hidden[0, a], ref_hidden[0]) < 1e-5
+    # all four blocks in one batched pass (context windows of different lengths, padded), on the
+    # reference modules and on the fast path's fused ops (their torch references here)
+    ps = anchors[0].tolist()
+    for ops in (None, kernel_ops("ref")):
+        drafter.fast_ops = ops
+        assert drafter._fast() == (ops is not None)
+        all_logits, all_hidden = drafter.draft_logits([int(tokens[0, p + 1]) for p in ps], ps, [table[GROUP_SWA]] * 4)
+        for a in range(len(ps)):
+            assert _rel(logits[0, a], all_logits[a]) < 1e-5
+            assert _rel(hidden[0, a], all_hidden[a]) < 1e-5
 
 
 def test_gradients_reach_every_trained_parameter() -> None:

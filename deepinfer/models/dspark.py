@@ -84,13 +84,14 @@ class DSparkStage(Block):
         return apply_rope(self.attn.kv_norm(self.attn.wkv(main_x)), cos, sin)
 
     def block_forward(self, streams: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, block: int,
-                      ctx_kv: list[torch.Tensor], ctx_pos: list[torch.Tensor], rotary: Rotary) -> torch.Tensor:
+                      ctx_kv: torch.Tensor, ctx_pos: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         """The stage over R draft blocks of ``block`` rows each (flattened, [R * block, N, D]).
 
-        Block r's queries attend to its context rows ``ctx_kv[r]`` [L_r, head_dim] (target
-        features at positions ``ctx_pos[r]``, all before the block; a row is visible when it
-        lies within the sliding window of the query) and to every row of the same block
-        (bidirectional). Block K/V are not written anywhere."""
+        Block r's queries attend to its context rows ``ctx_kv[r]`` [L, head_dim] (target
+        features at positions ``ctx_pos[r]``, all before the block, padding at
+        ``NO_POSITION``; a row is visible when it lies within the sliding window of the
+        query) and to every row of the same block (bidirectional). Block K/V are not
+        written anywhere."""
         cfg = self.cfg
         post, comb, x = hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
                                cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
@@ -100,8 +101,8 @@ class DSparkStage(Block):
                                cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
         return hc_post(self.ffn(self.ffn_norm(x), ids), streams, post, comb)
 
-    def _block_attention(self, x: torch.Tensor, pos: torch.Tensor, block: int, ctx_kv: list[torch.Tensor],
-                         ctx_pos: list[torch.Tensor], rotary: Rotary) -> torch.Tensor:
+    def _block_attention(self, x: torch.Tensor, pos: torch.Tensor, block: int, ctx_kv: torch.Tensor,
+                         ctx_pos: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         """Dense version of `Attention.forward` (same projections, sinks, inverse RoPE on the
         output) with the DSpark key set. x: [R * block, D] normed -> [R * block, D]."""
         attn, cfg = self.attn, self.cfg
@@ -115,26 +116,30 @@ class DSparkStage(Block):
         return attn.wo_b(attn.wo_a(out.reshape(out.shape[0], cfg.o_groups, -1)))
 
 
-def block_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, block: int, ctx_kv: list[torch.Tensor],
-                    ctx_pos: list[torch.Tensor], window: int, attn_sink: torch.Tensor) -> torch.Tensor:
-    """Single-KV-head attention of R draft blocks (V4 and V4.1 stages). q [R * block, H, Dh],
-    kv [R * block, Dh] (the blocks' own keys = values, post-RoPE); block r's queries see
-    its context rows ``ctx_kv[r]`` at ``ctx_pos[r]`` within the sliding window and every
-    row of their own block (bidirectional), plus a per-head sink. Returns [R * block, H, Dh]
-    (still rotated: the caller un-ropes)."""
-    out = torch.empty_like(q)
-    scale = q.shape[-1] ** -0.5
-    sink_w = attn_sink.float()
-    for r in range(len(ctx_kv)):
-        rows = slice(r * block, (r + 1) * block)
-        qp = pos[rows]
-        keys = torch.cat([ctx_kv[r].to(kv.dtype), kv[rows]])
-        ctx_vis = ctx_pos[r][None, :] > qp[:, None] - window
-        mask = torch.cat([ctx_vis, torch.ones(block, block, dtype=torch.bool, device=q.device)], dim=1)
-        logits = torch.einsum("lhd,kd->lhk", q[rows], keys) * scale
-        logits = logits.float().masked_fill(~mask[:, None, :], float("-inf"))
-        sink = sink_w[None, :, None].expand(logits.shape[0], -1, 1)
-        combined = torch.cat([logits, sink], dim=-1)
-        probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
-        out[rows] = torch.einsum("lhk,kd->lhd", probs.to(keys.dtype), keys)
-    return out
+#: Position of a padded context row: never within any query's window.
+NO_POSITION = -(1 << 40)
+
+
+def block_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, block: int, ctx_kv: torch.Tensor,
+                    ctx_pos: torch.Tensor, window: int, attn_sink: torch.Tensor) -> torch.Tensor:
+    """Single-KV-head attention of R draft blocks (V4 and V4.1 stages), all at once.
+
+    q [R * block, H, Dh], kv [R * block, Dh] (the blocks' own keys = values, post-RoPE);
+    ctx_kv [R, L, Dh] / ctx_pos [R, L]: each block's context rows (padding at position
+    ``NO_POSITION``). Block r's queries see its context rows within the sliding window
+    and every row of their own block (bidirectional), plus a per-head sink. Returns
+    [R * block, H, Dh] (still rotated: the caller un-ropes). One batched pass: no loop
+    over requests (the drafter's step must not grow with the batch in launches)."""
+    rows, h, dh = q.shape
+    r = rows // block
+    qb = q.view(r, block, h, dh)
+    keys = torch.cat([ctx_kv.to(kv.dtype), kv.view(r, block, dh)], dim=1)  # [R, L + block, Dh]
+    qp = pos.view(r, block)
+    ctx_vis = ctx_pos[:, None, :] > qp[:, :, None] - window  # [R, block, L]
+    mask = torch.cat([ctx_vis, ctx_vis.new_ones(r, block, block)], dim=2)
+    logits = torch.einsum("rlhd,rkd->rlhk", qb, keys).float() * dh ** -0.5
+    logits = logits.masked_fill(~mask[:, :, None, :], float("-inf"))
+    sink = attn_sink.float()[None, None, :, None].expand(r, block, -1, 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.einsum("rlhk,rkd->rlhd", probs.to(keys.dtype), keys).reshape(rows, h, dh)

@@ -57,7 +57,7 @@ class DSparkStage41(Block41):
         return self._window_kv(main_x, cos, sin)
 
     def block_forward(self, streams: torch.Tensor, pre: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-                      block: int, ctx_kv: list[torch.Tensor], ctx_pos: list[torch.Tensor], rotary: Rotary
+                      block: int, ctx_kv: torch.Tensor, ctx_pos: torch.Tensor, rotary: Rotary
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """(streams [R * block, N, D], incoming pre [R * block, N]) -> (streams, this stage's
         ffn-site pre), over R draft blocks of ``block`` rows (see the module docstring)."""
@@ -69,8 +69,8 @@ class DSparkStage41(Block41):
         x = self.ffn_norm(hc_collapse(streams, a_pre))
         return hc_expand(self.ffn(x, ids), streams, f_post, f_comb), f_pre
 
-    def _block_attention(self, x: torch.Tensor, pos: torch.Tensor, block: int, ctx_kv: list[torch.Tensor],
-                         ctx_pos: list[torch.Tensor], rotary: Rotary) -> torch.Tensor:
+    def _block_attention(self, x: torch.Tensor, pos: torch.Tensor, block: int, ctx_kv: torch.Tensor,
+                         ctx_pos: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         attn, cfg = self.attn, self.cfg
         cos, sin = rotary.cos_sin(pos, x.dtype)
         q = apply_rope(attn.wq_b(attn.q_norm(attn.wq_a(x))).view(-1, attn.n_heads, attn.head_dim), cos, sin)

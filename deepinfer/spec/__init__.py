@@ -36,6 +36,8 @@ def setup(llm) -> None:
     k = llm.config.num_speculative_tokens
     widen_compressor_rings(llm.kv_cache, k)
     drafter = make_drafter(llm.model, llm.kv_cache, k)
+    fast = llm.runner.fast
+    drafter.fast_ops = fast.ops if fast is not None else None  # drafters that can, run the fused kernels
     curve, source = None, "default"
     if llm.config.enable_mtp_varlen:  # the confidence scheduler needs T(verify tokens)
         from .step_curve import curve_for_engine

@@ -12,6 +12,7 @@ used by the confidence-scheduled budget).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,6 +44,8 @@ class Drafter:
     target_layers: tuple[int, ...] = ()
     #: positions beyond the last verified token a drafter writes into the paged cache.
     lookahead: int = 0
+    #: the GPU fast path's batched ops (``FastPath.ops``) when the runner has one (``spec.setup``)
+    fast_ops: Any = None
 
     def propose(self, ctx: DraftContext, k: int) -> dict[str, Draft]:
         raise NotImplementedError

@@ -35,7 +35,12 @@ import torch
 
 from deepinfer.engine.sampler import Sampler, SamplingTensors
 from deepinfer.models.bounded_replay import batch_cuts
-from deepinfer.models.kv_cache import GROUP_SWA, KVCache, gather_rows, scatter_rows
+import numpy as np
+
+from deepinfer import batch_invariant
+from deepinfer.models.dspark import NO_POSITION
+from deepinfer.models.fast.forward import blocks_supported, head_hidden, run_block
+from deepinfer.models.kv_cache import GROUP_SWA, KVCache
 from deepinfer.models.mhc import hc_head
 from deepinfer.models.v41_layers import hc_collapse
 
@@ -69,6 +74,9 @@ class DSparkDrafter(Drafter):
     def _cache_id(self, stage: int) -> int:
         return self.cfg.num_hidden_layers + stage
 
+    def _rows_per_block(self) -> int:
+        return self.cache.swa[self._cache_id(0)].shape[1]
+
     # ------------------------------------------------------------------ features
     def features(self, hidden: dict[int, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
         """main_norm(main_proj(concat over target layers of mean-over-hc input streams)) for
@@ -78,25 +86,26 @@ class DSparkDrafter(Drafter):
         return s0.main_norm(s0.main_proj(feats))
 
     def _write_features(self, ctx: DraftContext) -> None:
-        rows, positions, spans = [], [], []  # spans: (scheduled index, first row in `rows`, count)
+        rows, positions, tables = [], [], []  # per written row: step row, position, its request's swa table
         for i, (seq, cut) in enumerate(zip(ctx.batch.seqs, batch_cuts(ctx.batch))):
             skip = min(max(0, cut - seq.start), ctx.valid[i])  # rows a bounded replay leaves out
             n = ctx.valid[i] - skip
             if n <= 0:
                 continue
-            spans.append((i, len(rows), n, seq.start + skip))
             rows.extend(range(seq.offset + skip, seq.offset + skip + n))
             positions.extend(range(seq.start + skip, seq.start + skip + n))
+            tables.append((seq.block_table[GROUP_SWA], seq.start + skip, n))
         if not rows:
             return
         dev = ctx.streams.device
         main_x = self.features(ctx.hidden, torch.tensor(rows, device=dev))
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        for s, stage in enumerate(self.stages):
-            kv = stage.context_kv(main_x, pos, self.model.rotary_main)
+        slots = torch.from_numpy(np.concatenate([_slots(t, start, n, self._rows_per_block())
+                                                 for t, start, n in tables])).to(dev)
+        for s, stage in enumerate(self.stages):  # one scatter per stage for every request
             pool = self.cache.swa[self._cache_id(s)]
-            for i, first, n, start in spans:
-                scatter_rows(pool, ctx.batch.seqs[i].block_table[GROUP_SWA], start, kv[first: first + n])
+            kv = stage.context_kv(main_x, pos, self.model.rotary_main)
+            pool.view(-1, *pool.shape[2:])[slots] = kv.to(pool.dtype)
 
     # ------------------------------------------------------------------ drafting
     @torch.no_grad()
@@ -117,18 +126,24 @@ class DSparkDrafter(Drafter):
         if self.v41:  # shifted hyper-connections: the first site collapses stream 0
             pre = streams.new_zeros(streams.shape[:2], dtype=torch.float32)
             pre[:, 0] = 1.0
+        # every block's context: the W-1 positions before it (the block's first row, at p+1,
+        # sees keys > p+1-W), gathered for all blocks at once; rows before 0 are padding
+        ctx_pos = np.asarray(last_pos, dtype=np.int64)[:, None] + (2 - W) + np.arange(W - 1)[None, :]
+        slots = np.stack([_slots(t, int(row[0]), W - 1, self._rows_per_block(), valid=row >= 0)
+                          for t, row in zip(tables, ctx_pos)])
+        ctx_pos = np.where(ctx_pos >= 0, ctx_pos, NO_POSITION)
+        both = torch.from_numpy(np.stack([slots, ctx_pos])).to(dev)  # one host -> device copy
+        slots_t, ctx_pos_t = both[0], both[1]
+        rotary = self.model.rotary_main
+        if self._fast():
+            return self._draft_logits_fast(ids, pos, slots_t, ctx_pos_t, R)
         for s, stage in enumerate(self.stages):
             pool = self.cache.swa[self._cache_id(s)]
-            ctx_kv, ctx_pos = [], []
-            for p, table in zip(last_pos, tables):
-                lo = max(0, p + 2 - W)  # the first row of the block (position p+1) sees keys > p+1-W
-                ctx_kv.append(gather_rows(pool, table, lo, p + 1).to(dev))
-                ctx_pos.append(torch.arange(lo, p + 1, device=dev))
-            rotary = self.model.rotary_main
+            ctx_kv = pool.view(-1, *pool.shape[2:])[slots_t]  # [R, W - 1, head_dim]
             if self.v41:
-                streams, pre = stage.block_forward(streams, pre, ids, pos, G, ctx_kv, ctx_pos, rotary)
+                streams, pre = stage.block_forward(streams, pre, ids, pos, G, ctx_kv, ctx_pos_t, rotary)
             else:
-                streams = stage.block_forward(streams, ids, pos, G, ctx_kv, ctx_pos, rotary)
+                streams = stage.block_forward(streams, ids, pos, G, ctx_kv, ctx_pos_t, rotary)
         last = self.stages[-1]
         if self.v41:
             x = hc_collapse(streams, pre)
@@ -136,6 +151,33 @@ class DSparkDrafter(Drafter):
             x = hc_head(streams, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, cfg.hc_eps,
                         cfg.rms_norm_eps)
         h = last.norm(x)
+        logits = self.model.head(h).float()
+        return logits.view(R, G, -1), h.view(R, G, -1)
+
+    def _fast(self) -> bool:
+        """The stages run on the GPU fast path's fused kernels (mHC, MoE) when the runner
+        has one; V4.1 stages (shifted hyper-connections) and batch-invariant mode keep the
+        reference modules."""
+        return (self.fast_ops is not None and not self.v41 and not batch_invariant.enabled()
+                and blocks_supported(self.stages))
+
+    def _draft_logits_fast(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ctx_pos: torch.Tensor,
+                           R: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draft_logits` through the fused mHC / MoE kernels: each stage is one `run_block`
+        (its hc_post fused into the next stage's hc_pre, the last into hc_head + norm), with
+        the stage's dense block attention as the attention sublayer."""
+        G, ops, rotary = self.gamma, self.fast_ops, self.model.rotary_main
+        streams = self.model.embed(ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1)
+        prev = None
+        for s, stage in enumerate(self.stages):
+            pool = self.cache.swa[self._cache_id(s)]
+            ctx_kv = pool.view(-1, *pool.shape[2:])[slots]
+
+            def attention(attn, x, stage=stage, ctx_kv=ctx_kv):
+                return stage._block_attention(x, pos, G, ctx_kv, ctx_pos, rotary)
+
+            streams, prev = run_block(stage, streams, prev, ids, ops, attention)
+        h = head_hidden(self.stages[-1], ops, streams, prev)
         logits = self.model.head(h).float()
         return logits.view(R, G, -1), h.view(R, G, -1)
 
@@ -177,3 +219,17 @@ class DSparkDrafter(Drafter):
         logits, h = self.draft_logits(last_tokens, last_pos, tables)
         drafts = self.draft(logits, h, last_tokens, last_pos, [r.sampling_params for _, r in heads], n)
         return {r.req_id: d for (_, r), d in zip(heads, drafts)}
+
+
+def _slots(table: list[int], start: int, n: int, block_size: int, valid: np.ndarray | None = None) -> np.ndarray:
+    """Flat pool rows (block * block_size + offset) of positions [start, start + n) of one
+    request; positions marked invalid (before 0) read row 0 and are masked by the caller.
+    A valid position in a freed block (table entry < 0) is a bookkeeping bug: fail."""
+    pos = start + np.arange(n)
+    ok = np.ones(n, dtype=bool) if valid is None else valid
+    safe = np.where(ok, pos, 0)
+    blocks = np.asarray(table, dtype=np.int64)[safe // block_size]
+    if (blocks[ok] < 0).any():
+        raise RuntimeError(f"DSpark window read/write of a freed block: positions [{start}, {start + n}) "
+                           f"of table {table}")
+    return np.where(ok, blocks * block_size + safe % block_size, 0)

@@ -22,37 +22,61 @@ import torch
 from ..kv_cache import ForwardBatch, KVCache
 from .decode import attention_decode
 from .moe import moe_forward
+from .moe import supported as moe_supported
 
 
 def _mhc_args(layer: torch.nn.Module, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return getattr(layer, f"hc_{which}_fn"), getattr(layer, f"hc_{which}_base"), getattr(layer, f"hc_{which}_scale")
 
 
+def run_block(block: torch.nn.Module, streams: torch.Tensor, prev: tuple | None, input_ids: torch.Tensor, ops: Any,
+              attention: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor], capture: dict | None = None,
+              index: int = -1) -> tuple:
+    """One block (a layer, an MTP or DSpark stage) with fused mHC: the previous block's
+    ``hc_post`` (``prev``) + this block's ``hc_pre`` and attn_norm, ``attention(block.attn,
+    x)``, ``hc_post_pre`` + ffn_norm, the fused MoE. Returns (streams, prev) with this
+    block's ``hc_post`` still to apply (the next block or the head fuses it)."""
+    cfg = block.cfg
+    iters, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+    norm = (block.attn_norm.weight, block.attn_norm.eps)
+    if prev is None:
+        post, comb, x = ops.hc_pre(streams, *_mhc_args(block, "attn"), iters, hc_eps, eps, norm)
+    else:
+        out, post, comb = prev
+        streams, post, comb, x = ops.hc_post_pre(out, streams, post, comb, *_mhc_args(block, "attn"), iters,
+                                                 hc_eps, eps, norm)
+    if capture is not None and index in capture:
+        capture[index] = streams
+    out = attention(block.attn, x)
+    norm = (block.ffn_norm.weight, block.ffn_norm.eps)
+    streams, post, comb, x = ops.hc_post_pre(out, streams, post, comb, *_mhc_args(block, "ffn"), iters,
+                                             hc_eps, eps, norm)
+    return streams, (moe_forward(block.ffn, x, input_ids, ops), post, comb)
+
+
 def run_layers(model: Any, input_ids: torch.Tensor, ops: Any, attention: Callable[[torch.nn.Module, torch.Tensor],
                torch.Tensor], capture: dict | None = None) -> tuple:
-    """Every layer with fused mHC, ``attention(layer.attn, x)`` for the sublayer (decode or
-    prefill) and the fused MoE; returns (streams, (last sublayer output, post, comb)) with the
-    last ``hc_post`` still to apply (the decode path fuses it into the head)."""
-    cfg = model.cfg
-    iters, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-    streams = model.embed(input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1)
+    """Every layer through :func:`run_block` with ``attention`` (decode or prefill); returns
+    (streams, (last sublayer output, post, comb)) with the last ``hc_post`` still to apply
+    (the decode path fuses it into the head)."""
+    streams = model.embed(input_ids).unsqueeze(1).expand(-1, model.cfg.hc_mult, -1)
     prev = None  # (sublayer output, post, comb) whose hc_post is still to apply
     for i, layer in enumerate(model.layers):
-        norm = (layer.attn_norm.weight, layer.attn_norm.eps)
-        if prev is None:
-            post, comb, x = ops.hc_pre(streams, *_mhc_args(layer, "attn"), iters, hc_eps, eps, norm)
-        else:
-            out, post, comb = prev
-            streams, post, comb, x = ops.hc_post_pre(out, streams, post, comb, *_mhc_args(layer, "attn"), iters,
-                                                     hc_eps, eps, norm)
-        if capture is not None and i in capture:
-            capture[i] = streams
-        out = attention(layer.attn, x)
-        norm = (layer.ffn_norm.weight, layer.ffn_norm.eps)
-        streams, post, comb, x = ops.hc_post_pre(out, streams, post, comb, *_mhc_args(layer, "ffn"), iters,
-                                                 hc_eps, eps, norm)
-        prev = (moe_forward(layer.ffn, x, input_ids, ops), post, comb)
+        streams, prev = run_block(layer, streams, prev, input_ids, ops, attention, capture, i)
     return streams, prev
+
+
+def blocks_supported(blocks: Any) -> bool:
+    """Every block's FFN runs on the fused MoE kernel."""
+    return all(moe_supported(b.ffn) for b in blocks)
+
+
+def head_hidden(block: Any, ops: Any, streams: torch.Tensor, prev: tuple) -> torch.Tensor:
+    """The last ``hc_post`` + a stage's own ``hc_head`` and output norm (its ``hc_head_*`` and
+    ``norm``): the normed hidden [T, D] its logits come from."""
+    cfg = block.cfg
+    return ops.hc_head(streams, block.hc_head_fn, block.hc_head_base, block.hc_head_scale, cfg.hc_eps,
+                       cfg.rms_norm_eps, (block.norm.weight, block.norm.eps), prev)
 
 
 def _layers(model: Any, batch: ForwardBatch, cache: KVCache, capture: dict | None) -> tuple:
