@@ -139,10 +139,13 @@ def measure_prefill(llm: LLM, workload: Sequence[WorkloadRequest], budget: int, 
 def measure_decode(llm: LLM, workload: Sequence[WorkloadRequest], batch: int, spec: SweepSpec,
                    seed: int = 0) -> dict[str, Any]:
     """One decode point: ``batch`` requests decoding together (``max_num_seqs=batch``)."""
-    set_batch_limits(llm, max_num_seqs=batch)
-    budget = llm.config.max_num_batched_tokens
     drafts = llm.runner.spec
     per_step = 1 + (drafts.k if drafts is not None else 0)  # most tokens a request emits per step
+    # a decode point needs all B requests (each a token + its drafts) in one step: a smaller
+    # token budget would split them and no step would qualify (the budget is restored after)
+    set_batch_limits(llm, max_num_seqs=batch,
+                     max_num_batched_tokens=max(llm.config.max_num_batched_tokens, batch * per_step))
+    budget = llm.config.max_num_batched_tokens
     base = scale_workload(workload, batch, max_len=llm.config.max_model_len // 2)
     stagger = -(-sum(r.prompt_len for r in base) // budget) + 2
     steps_needed = spec.warmup_steps + spec.measure_steps + stagger
