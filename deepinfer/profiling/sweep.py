@@ -141,12 +141,16 @@ def measure_decode(llm: LLM, workload: Sequence[WorkloadRequest], batch: int, sp
     """One decode point: ``batch`` requests decoding together (``max_num_seqs=batch``)."""
     drafts = llm.runner.spec
     per_step = 1 + (drafts.k if drafts is not None else 0)  # most tokens a request emits per step
-    # a decode point needs all B requests (each a token + its drafts) in one step: a smaller
-    # token budget would split them and no step would qualify (the budget is restored after)
-    set_batch_limits(llm, max_num_seqs=batch,
-                     max_num_batched_tokens=max(llm.config.max_num_batched_tokens, batch * per_step))
-    budget = llm.config.max_num_batched_tokens
     base = scale_workload(workload, batch, max_len=llm.config.max_model_len // 2)
+    # a decode point needs all B requests (each a token + its drafts) in one step, and their
+    # prompts prefilled before the first ones finish: with speculation, decoding requests eat
+    # k + 1 tokens of the budget each and starve the later prefills (measured: B=64 never all
+    # decoding at a 256-token budget). So the point's budget holds B x (k + 1) tokens and the
+    # prompts (up to 8k); the sweep restores the engine's budget after the point.
+    prompts = sum(r.prompt_len for r in base)
+    set_batch_limits(llm, max_num_seqs=batch, max_num_batched_tokens=max(
+        llm.config.max_num_batched_tokens, batch * per_step + min(prompts, 8192) if per_step > 1 else 0))
+    budget = llm.config.max_num_batched_tokens
     stagger = -(-sum(r.prompt_len for r in base) // budget) + 2
     steps_needed = spec.warmup_steps + spec.measure_steps + stagger
     out_len = min(steps_needed * per_step, llm.config.max_model_len // 2)
