@@ -52,6 +52,7 @@ KNOWN_ENV_VARS: dict[str, str] = {
     "DEEPINFER_ASYNC_SCHEDULING": "0|1|true|false (default 1): plan step N+1 while step N runs on the device",
     "DEEPINFER_CACHE_DIR": "where the embedded default checkpoint is written (default ~/.cache/deepinfer)",
     "DEEPINFER_TEST_SEED": "tests only: replay a failing test's random seed",
+    "DEEPINFER_TEST_WORKERS": "scripts/test.sh only: pytest-xdist workers (auto = one per core, 0 = serial)",
     "DEEPINFER_COMMIT": "the source commit recorded in results when the tree's .git cannot tell (device copies)",
 }
 # env var -> EngineConfig field it sets
