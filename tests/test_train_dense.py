@@ -13,6 +13,7 @@ from deepinfer.models.standalone import StandaloneRunner
 from deepinfer.models.tiny import init_random, tiny_config, tiny_dspark_config
 from deepinfer.spec.dspark_drafter import DSparkDrafter
 from deepinfer.models.fast.decode import kernel_ops
+from deepinfer.spec.mtp_drafter import MTPDrafter
 from deepinfer.train.dense_dspark import draft_forward, make_blocks, target_features
 from deepinfer.train.dense_model import head_logits, model_forward, mtp_forward
 
@@ -60,8 +61,13 @@ def test_dense_mtp_equals_engine_mtp_stage() -> None:
     streams = model(ForwardBatch(tokens[0], torch.arange(length), [SeqMeta(0, length, 0, table, 0, True)]),
                     runner.cache)
     batch = ForwardBatch(tokens[0, 1:], torch.arange(length - 1), [SeqMeta(0, length - 1, 0, table, 0, False)])
-    _, ref = model.mtp_forward(0, streams[:-1], batch, runner.cache)
+    ref_streams, ref = model.mtp_forward(0, streams[:-1], batch, runner.cache)
     assert _rel(dense, ref) < 1e-5
+    # the engine's MTP drafter on the fast path's fused mHC / MoE ops (their torch references)
+    drafter = MTPDrafter(model, runner.cache, 2)
+    drafter.fast_ops = kernel_ops("ref")
+    fast_streams, fast = drafter._stage(streams[:-1], batch)
+    assert _rel(fast, ref) < 1e-5 and _rel(fast_streams, ref_streams) < 1e-5
 
 
 def test_dense_draft_pass_equals_dspark_drafter() -> None:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer import batch_invariant
 from deepinfer.engine.sampler import Sampler, SamplingTensors
+from deepinfer.models.fast.forward import blocks_supported, head_hidden, run_block
 from deepinfer.models.kv_cache import GROUP_SWA, ForwardBatch, KVCache, SeqMeta
 
 from .drafter import Draft, DraftContext, Drafter
@@ -28,6 +30,20 @@ class MTPDrafter(Drafter):
         self.lookahead = max(0, k - 1)
         self.sampler = Sampler()
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # req_id -> (position, streams [N, D])
+
+    def _stage(self, prev: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``model.mtp_forward(0, ...)``; with the GPU fast path's ops the stage's mHC and MoE
+        run the fused kernels (its window attention stays the reference module: rows of any
+        length per request, written into the stage's paged window cache)."""
+        model, mtp, ops = self.model, self.model.mtp[0], self.fast_ops
+        if ops is None or batch_invariant.enabled() or not blocks_supported([mtp]):
+            return model.mtp_forward(0, prev, batch, self.cache)
+        ctx = model.context(batch, self.cache)
+        e = mtp.e_proj(mtp.enorm(model.embed(batch.input_ids)))
+        streams = mtp.h_proj(mtp.hnorm(prev)) + e.unsqueeze(1)
+        streams, last = run_block(mtp, streams, None, batch.input_ids, ops, lambda attn, x: attn(x, ctx))
+        h, streams = head_hidden(mtp, ops, streams, last, return_streams=True)
+        return streams, model.head(h).float()
 
     def drop(self, req_ids: list[str]) -> None:
         for r in req_ids:
@@ -64,7 +80,7 @@ class MTPDrafter(Drafter):
             return {}
         batch = ForwardBatch(torch.tensor(ids, dtype=torch.long, device=dev),
                              torch.cat([torch.arange(s.start, s.start + s.length) for s in seqs]).to(dev), seqs)
-        streams, logits = self.model.mtp_forward(0, torch.cat(prev), batch, self.cache)
+        streams, logits = self._stage(torch.cat(prev), batch)
         if not heads or k <= 0:
             return {}
         B = self.cache.block_size
@@ -106,7 +122,7 @@ class MTPDrafter(Drafter):
                 break
             b2 = ForwardBatch(torch.tensor(ids2, dtype=torch.long, device=dev),
                               torch.tensor([s.start for s in seqs2], dtype=torch.long, device=dev), seqs2)
-            cur_streams, cur_logits = self.model.mtp_forward(0, torch.cat(prev2), b2, self.cache)
+            cur_streams, cur_logits = self._stage(torch.cat(prev2), b2)
             alive = nxt
         out = {}
         for a, r in enumerate(reqs):

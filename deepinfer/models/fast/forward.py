@@ -71,12 +71,13 @@ def blocks_supported(blocks: Any) -> bool:
     return all(moe_supported(b.ffn) for b in blocks)
 
 
-def head_hidden(block: Any, ops: Any, streams: torch.Tensor, prev: tuple) -> torch.Tensor:
+def head_hidden(block: Any, ops: Any, streams: torch.Tensor, prev: tuple, return_streams: bool = False):
     """The last ``hc_post`` + a stage's own ``hc_head`` and output norm (its ``hc_head_*`` and
-    ``norm``): the normed hidden [T, D] its logits come from."""
+    ``norm``): the normed hidden [T, D] its logits come from (``return_streams``: and the
+    stage's output streams, which an MTP stage feeds its next draft)."""
     cfg = block.cfg
     return ops.hc_head(streams, block.hc_head_fn, block.hc_head_base, block.hc_head_scale, cfg.hc_eps,
-                       cfg.rms_norm_eps, (block.norm.weight, block.norm.eps), prev)
+                       cfg.rms_norm_eps, (block.norm.weight, block.norm.eps), prev, return_streams=return_streams)
 
 
 def _layers(model: Any, batch: ForwardBatch, cache: KVCache, capture: dict | None) -> tuple:
