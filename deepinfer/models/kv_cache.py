@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .config import DeepseekV4Config
@@ -141,19 +142,27 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def paged_slots(table: list[int], start: int, n: int, per_block: int, valid: np.ndarray | None = None) -> np.ndarray:
+    """Flat pool rows (block * per_block + offset) of positions [start, start + n) of one
+    request. Positions marked invalid (``valid`` False, e.g. before 0) map to row 0 for the
+    caller to mask. A valid position in a freed block (table entry < 0) is a bookkeeping
+    bug: it raises."""
+    pos = start + np.arange(n)
+    ok = np.ones(n, dtype=bool) if valid is None else valid
+    safe = np.where(ok, pos, 0)
+    blocks = np.asarray(table, dtype=np.int64)[safe // per_block]
+    if (blocks[ok] < 0).any():
+        raise RuntimeError(f"read or write of a freed block: rows [{start}, {start + n}) of table {table}")
+    return np.where(ok, blocks * per_block + safe % per_block, 0)
+
+
 def gather_rows(pool: torch.Tensor, table: list[int], start: int, end: int) -> torch.Tensor:
     """Rows [start, end) of one request's paged sequence: pool is [blocks, per_block, ...]."""
-    per = pool.shape[1]
-    idx = torch.arange(start, end)
-    blocks = torch.tensor(table, dtype=torch.long)[idx // per]
-    if bool((blocks < 0).any()):
-        raise RuntimeError(f"read of a freed block: rows [{start}, {end}) of table {table}")
-    return pool[blocks, idx % per]
+    slots = torch.from_numpy(paged_slots(table, start, end - start, pool.shape[1]))
+    return pool.view(-1, *pool.shape[2:])[slots]
 
 
 def scatter_rows(pool: torch.Tensor, table: list[int], start: int, rows: torch.Tensor) -> None:
     """Write rows at sequence positions [start, start + len(rows)) of one request."""
-    per = pool.shape[1]
-    idx = torch.arange(start, start + rows.shape[0])
-    blocks = torch.tensor(table, dtype=torch.long)[idx // per]
-    pool[blocks, idx % per] = rows.to(pool.dtype)
+    slots = torch.from_numpy(paged_slots(table, start, rows.shape[0], pool.shape[1]))
+    pool.view(-1, *pool.shape[2:])[slots] = rows.to(pool.dtype)

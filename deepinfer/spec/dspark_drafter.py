@@ -40,7 +40,7 @@ import numpy as np
 from deepinfer import batch_invariant
 from deepinfer.models.dspark import NO_POSITION
 from deepinfer.models.fast.forward import blocks_supported, head_hidden, run_block
-from deepinfer.models.kv_cache import GROUP_SWA, KVCache
+from deepinfer.models.kv_cache import GROUP_SWA, KVCache, paged_slots
 from deepinfer.models.mhc import hc_head
 from deepinfer.models.v41_layers import hc_collapse
 
@@ -100,7 +100,7 @@ class DSparkDrafter(Drafter):
         dev = ctx.streams.device
         main_x = self.features(ctx.hidden, torch.tensor(rows, device=dev))
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        slots = torch.from_numpy(np.concatenate([_slots(t, start, n, self._rows_per_block())
+        slots = torch.from_numpy(np.concatenate([paged_slots(t, start, n, self._rows_per_block())
                                                  for t, start, n in tables])).to(dev)
         for s, stage in enumerate(self.stages):  # one scatter per stage for every request
             pool = self.cache.swa[self._cache_id(s)]
@@ -121,15 +121,10 @@ class DSparkDrafter(Drafter):
         ids[:, 0] = torch.tensor(last_tokens, dtype=torch.long)
         ids = ids.reshape(-1).to(dev)
         pos = (torch.tensor(last_pos, dtype=torch.long)[:, None] + 1 + torch.arange(G)[None, :]).reshape(-1).to(dev)
-        streams = self.model.embed(ids).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
-        pre = None
-        if self.v41:  # shifted hyper-connections: the first site collapses stream 0
-            pre = streams.new_zeros(streams.shape[:2], dtype=torch.float32)
-            pre[:, 0] = 1.0
         # every block's context: the W-1 positions before it (the block's first row, at p+1,
         # sees keys > p+1-W), gathered for all blocks at once; rows before 0 are padding
         ctx_pos = np.asarray(last_pos, dtype=np.int64)[:, None] + (2 - W) + np.arange(W - 1)[None, :]
-        slots = np.stack([_slots(t, int(row[0]), W - 1, self._rows_per_block(), valid=row >= 0)
+        slots = np.stack([paged_slots(t, int(row[0]), W - 1, self._rows_per_block(), valid=row >= 0)
                           for t, row in zip(tables, ctx_pos)])
         ctx_pos = np.where(ctx_pos >= 0, ctx_pos, NO_POSITION)
         both = torch.from_numpy(np.stack([slots, ctx_pos])).to(dev)  # one host -> device copy
@@ -137,6 +132,11 @@ class DSparkDrafter(Drafter):
         rotary = self.model.rotary_main
         if self._fast():
             return self._draft_logits_fast(ids, pos, slots_t, ctx_pos_t, R)
+        streams = self.model.embed(ids).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+        pre = None
+        if self.v41:  # shifted hyper-connections: the first site collapses stream 0
+            pre = streams.new_zeros(streams.shape[:2], dtype=torch.float32)
+            pre[:, 0] = 1.0
         for s, stage in enumerate(self.stages):
             pool = self.cache.swa[self._cache_id(s)]
             ctx_kv = pool.view(-1, *pool.shape[2:])[slots_t]  # [R, W - 1, head_dim]
@@ -220,16 +220,3 @@ class DSparkDrafter(Drafter):
         drafts = self.draft(logits, h, last_tokens, last_pos, [r.sampling_params for _, r in heads], n)
         return {r.req_id: d for (_, r), d in zip(heads, drafts)}
 
-
-def _slots(table: list[int], start: int, n: int, block_size: int, valid: np.ndarray | None = None) -> np.ndarray:
-    """Flat pool rows (block * block_size + offset) of positions [start, start + n) of one
-    request; positions marked invalid (before 0) read row 0 and are masked by the caller.
-    A valid position in a freed block (table entry < 0) is a bookkeeping bug: fail."""
-    pos = start + np.arange(n)
-    ok = np.ones(n, dtype=bool) if valid is None else valid
-    safe = np.where(ok, pos, 0)
-    blocks = np.asarray(table, dtype=np.int64)[safe // block_size]
-    if (blocks[ok] < 0).any():
-        raise RuntimeError(f"DSpark window read/write of a freed block: positions [{start}, {start + n}) "
-                           f"of table {table}")
-    return np.where(ok, blocks * block_size + safe % block_size, 0)
