@@ -59,6 +59,10 @@ class MhcTuning:
     finish_block_t: int = 2
     finish_splits: int = 16  # splits summed per tile in the finish kernel
     finish_warps: int = 4
+    finish_one_pass: int = 4096  # finish rows x D up to this: the collapse in one pass of registers
+    rows_max_t: int = 64  # steps of at most this many tokens use the row mix kernel ...
+    rows_split: int = 128  # ... with this many columns (of one stream) per program ...
+    rows_per_program: int = 4  # ... and this many tokens per program (the fn tile loaded once)
 
 
 #: The shape every launch uses (profiling/mhc_tuning.py sweeps alternatives on a GPU).
@@ -131,6 +135,49 @@ def _mix_kernel(src_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr,
     tl.store(ss_ptr + rows.to(tl.int64) * n_splits + pid_k, ss, mask=rmask)
 
 
+@triton.jit(do_not_specialize=["T"])
+def _mix_rows_kernel(src_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr, ss_ptr,
+                     T, D, stride_st, stride_sj, stride_ot, n_splits,
+                     N: tl.constexpr, HAS_POST: tl.constexpr, HEAD: tl.constexpr, CODE: tl.constexpr,
+                     INTERP: tl.constexpr, NP: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
+                     MIXP: tl.constexpr):
+    """``_mix_kernel`` for decode-sized steps, without tl.dot: a program owns SPLIT columns
+    of ONE stream (SPLIT divides D, so post / comb of that stream are scalars) for ROWS
+    tokens, loads its [mixes, SPLIT] slice of fn once and reduces each token's products
+    in one pass (the dot version pads every step to 16 rows and chains dependent loads)."""
+    pid_t, pid_k = tl.program_id(0), tl.program_id(1)
+    K = N * D
+    j = (pid_k * SPLIT) // D
+    d = (pid_k * SPLIT) % D + tl.arange(0, SPLIT)
+    kk = pid_k * SPLIT + tl.arange(0, SPLIT)
+    r = tl.arange(0, MIXP)
+    n_mix = N if HEAD else (2 + N) * N
+    live = r < n_mix
+    w = tl.load(fn_ptr + r[:, None] * K + kk[None, :], mask=live[:, None], other=0.0)
+    # partial layout of _mix_kernel: pre at [0, N), post at [NP, NP + N), comb at [2 NP, 2 NP + N * N)
+    col = tl.where(r < N, r, tl.where(r < 2 * N, NP + r - N, 2 * NP + r - 2 * N))
+    W = 2 * NP + N * N
+    for i in tl.static_range(ROWS):
+        row = pid_t * ROWS + i
+        if row < T:
+            row64 = row.to(tl.int64)
+            if HAS_POST:
+                o = tl.load(out_ptr + row64 * stride_ot + d).to(tl.float32)
+                p = round_to(tl.load(post_ptr + row64 * N + j), CODE, INTERP)
+                v = round_to(p * o, CODE, INTERP)
+                mix = tl.zeros([SPLIT], dtype=tl.float32)
+                for ii in tl.static_range(N):
+                    c = round_to(tl.load(comb_ptr + row64 * (N * N) + ii * N + j), CODE, INTERP)
+                    mix += c * tl.load(src_ptr + row64 * stride_st + ii * stride_sj + d).to(tl.float32)
+                v = round_to(v + round_to(mix, CODE, INTERP), CODE, INTERP)
+                tl.store(new_ptr + row64 * K + kk, v.to(new_ptr.dtype.element_ty))
+            else:
+                v = tl.load(src_ptr + row64 * stride_st + j * stride_sj + d).to(tl.float32)
+            tl.store(ss_ptr + row64 * n_splits + pid_k, tl.sum(v * v, axis=0))
+            m = tl.sum(w * v[None, :], axis=1)
+            tl.store(part_ptr + (row64 * n_splits + pid_k) * W + col, m, mask=live)
+
+
 @triton.jit
 def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
@@ -141,7 +188,7 @@ def _finish_kernel(src_ptr, stride_st, stride_sj, part_ptr, ss_ptr, base_ptr, sc
                    post_ptr, comb_ptr, x_ptr, T, D, n_splits, iters, hc_eps, norm_eps, out_eps,
                    N: tl.constexpr, HEAD: tl.constexpr, HAS_NORM: tl.constexpr, CODE: tl.constexpr,
                    INTERP: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_S: tl.constexpr):
+                   BLOCK_S: tl.constexpr, ONE_PASS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     r2 = rows.to(tl.int64)[:, None]
@@ -159,9 +206,10 @@ def _finish_kernel(src_ptr, stride_st, stride_sj, part_ptr, ss_ptr, base_ptr, sc
         s3 = sp[None, :, None]
         m3 = rmask[:, None, None] & (s3 < n_splits)
         base = part_ptr + (r3 * n_splits + s3) * W
-        m_pre += tl.sum(tl.load(base + cp[None, None, :], mask=m3, other=0.0), axis=1)
+        mp = m3 & (cp[None, None, :] < N)  # (the row mix kernel leaves the padding unwritten)
+        m_pre += tl.sum(tl.load(base + cp[None, None, :], mask=mp, other=0.0), axis=1)
         if not HEAD:
-            m_post += tl.sum(tl.load(base + NP + cp[None, None, :], mask=m3, other=0.0), axis=1)
+            m_post += tl.sum(tl.load(base + NP + cp[None, None, :], mask=mp, other=0.0), axis=1)
             m_comb += tl.sum(tl.load(base + 2 * NP + cc[None, None, :], mask=m3, other=0.0), axis=1)
         ss += tl.sum(tl.load(ss_ptr + r2 * n_splits + sp[None, :], mask=rmask[:, None] & (sp[None, :] < n_splits),
                              other=0.0), axis=1)
@@ -181,33 +229,46 @@ def _finish_kernel(src_ptr, stride_st, stride_sj, part_ptr, ss_ptr, base_ptr, sc
             comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
             comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
         tl.store(comb_ptr + r2 * (N * N) + cc[None, :], tl.reshape(comb, [BLOCK_T, N * N]), mask=rmask[:, None])
-    # collapse (and the sublayer's RMSNorm: a first pass for the sum of squares)
-    ss2 = tl.zeros([BLOCK_T], dtype=tl.float32)
-    if HAS_NORM:
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            m2 = rmask[:, None] & (d[None, :] < D)
-            x = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-            for j in tl.static_range(N):
-                pj = tl.sum(tl.where(cp[None, :] == j, pre, 0.0), axis=1)
-                sj = tl.load(src_ptr + r2 * stride_st + j * stride_sj + d[None, :], mask=m2, other=0.0)
-                x += pj[:, None] * sj.to(tl.float32)
-            x = round_to(x, CODE, INTERP)
-            ss2 += tl.sum(x * x, axis=1)
-    inv2 = tl.div_rn(1.0, tl.sqrt_rn(ss2 / D + out_eps))[:, None]
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
+    # collapse (and the sublayer's RMSNorm): in registers when a row fits one tile, else
+    # two passes (the first for the sum of squares)
+    if ONE_PASS:
+        d = tl.arange(0, BLOCK_D)
         m2 = rmask[:, None] & (d[None, :] < D)
-        x = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-        for j in tl.static_range(N):
-            pj = tl.sum(tl.where(cp[None, :] == j, pre, 0.0), axis=1)
-            sj = tl.load(src_ptr + r2 * stride_st + j * stride_sj + d[None, :], mask=m2, other=0.0)
-            x += pj[:, None] * sj.to(tl.float32)
-        x = round_to(x, CODE, INTERP)
+        x = _collapse(src_ptr, stride_st, stride_sj, pre, r2, d, m2, cp, N, BLOCK_T, BLOCK_D, CODE, INTERP)
         if HAS_NORM:
+            inv2 = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=1) / D + out_eps))[:, None]
             w = tl.load(norm_w_ptr + d, mask=d < D, other=0.0)
             x = round_to(round_to(x * inv2, CODE, INTERP) * w[None, :], CODE, INTERP)
         tl.store(x_ptr + r2 * D + d[None, :], x.to(x_ptr.dtype.element_ty), mask=m2)
+    else:
+        ss2 = tl.zeros([BLOCK_T], dtype=tl.float32)
+        if HAS_NORM:
+            for d0 in range(0, D, BLOCK_D):
+                d = d0 + tl.arange(0, BLOCK_D)
+                m2 = rmask[:, None] & (d[None, :] < D)
+                x = _collapse(src_ptr, stride_st, stride_sj, pre, r2, d, m2, cp, N, BLOCK_T, BLOCK_D, CODE, INTERP)
+                ss2 += tl.sum(x * x, axis=1)
+        inv2 = tl.div_rn(1.0, tl.sqrt_rn(ss2 / D + out_eps))[:, None]
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            m2 = rmask[:, None] & (d[None, :] < D)
+            x = _collapse(src_ptr, stride_st, stride_sj, pre, r2, d, m2, cp, N, BLOCK_T, BLOCK_D, CODE, INTERP)
+            if HAS_NORM:
+                w = tl.load(norm_w_ptr + d, mask=d < D, other=0.0)
+                x = round_to(round_to(x * inv2, CODE, INTERP) * w[None, :], CODE, INTERP)
+            tl.store(x_ptr + r2 * D + d[None, :], x.to(x_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _collapse(src_ptr, stride_st, stride_sj, pre, r2, d, m2, cp, N: tl.constexpr, BLOCK_T: tl.constexpr,
+              BLOCK_D: tl.constexpr, CODE: tl.constexpr, INTERP: tl.constexpr):
+    """round(sum_j pre[:, j] * s[:, j, d]) for one [BLOCK_T, BLOCK_D] tile."""
+    x = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(N):
+        pj = tl.sum(tl.where(cp[None, :] == j, pre, 0.0), axis=1)
+        sj = tl.load(src_ptr + r2 * stride_st + j * stride_sj + d[None, :], mask=m2, other=0.0)
+        x += pj[:, None] * sj.to(tl.float32)
+    return round_to(x, CODE, INTERP)
 
 
 def _check_streams(streams: torch.Tensor) -> None:
@@ -235,7 +296,11 @@ def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         new = src = torch.empty(t, n, d, dtype=dtype, device=dev)
     tune = TUNING
     np_ = max(16, next_pow2(n))
-    split = tune.split if t * n * d <= tune.small_work else tune.large_split
+    rows = t <= tune.rows_max_t and d % tune.rows_split == 0
+    if rows:
+        split = tune.rows_split
+    else:
+        split = tune.split if t * n * d <= tune.small_work else tune.large_split
     n_splits = triton.cdiv(n * d, split)
     part = torch.empty(t, n_splits, 2 * np_ + n * n, dtype=torch.float32, device=dev)
     ss = torch.empty(t, n_splits, dtype=torch.float32, device=dev)
@@ -246,17 +311,24 @@ def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         return new, post, comb, x
     code, interp = dtype_code(dtype), interpreting()
     opts = {} if interp else {"enable_fp_fusion": False}
-    _mix_kernel[(triton.cdiv(t, tune.mix_block_t), n_splits)](
-        streams, out, post_in, comb_in, new if new is not None else x, fn, part, ss,
-        t, d, streams.stride(0), streams.stride(1), out.stride(0), n_splits,
-        N=n, HAS_POST=prev is not None, HEAD=head, CODE=code, INTERP=interp, NP=np_, BLOCK_T=tune.mix_block_t,
-        BLOCK_K=min(64, split), SPLIT=split, num_warps=tune.mix_warps, **opts)
+    mix_args = (streams, out, post_in, comb_in, new if new is not None else x, fn, part, ss,
+                t, d, streams.stride(0), streams.stride(1), out.stride(0), n_splits)
+    mix_kw = dict(N=n, HAS_POST=prev is not None, HEAD=head, CODE=code, INTERP=interp, NP=np_, SPLIT=split,
+                  num_warps=tune.mix_warps, **opts)
+    if rows:
+        _mix_rows_kernel[(triton.cdiv(t, tune.rows_per_program), n_splits)](
+            *mix_args, ROWS=tune.rows_per_program, MIXP=next_pow2(n if head else (2 + n) * n), **mix_kw)
+    else:
+        _mix_kernel[(triton.cdiv(t, tune.mix_block_t), n_splits)](
+            *mix_args, BLOCK_T=tune.mix_block_t, BLOCK_K=min(64, split), **mix_kw)
     norm_w, out_eps = (norm[0].float().contiguous(), float(norm[1])) if norm is not None else (base, 1.0)
+    # a whole row in registers when it fits (one pass of loads), else 256-column tiles
+    block_d = next_pow2(d) if next_pow2(d) * tune.finish_block_t <= tune.finish_one_pass else min(256, next_pow2(d))
     _finish_kernel[(triton.cdiv(t, tune.finish_block_t),)](
         src, src.stride(0), src.stride(1), part, ss, base, scale, norm_w, post, comb, x,
         t, d, n_splits, int(iters), float(hc_eps), float(norm_eps), out_eps,
         N=n, HEAD=head, HAS_NORM=norm is not None, CODE=code, INTERP=interp, NP=np_, BLOCK_T=tune.finish_block_t,
-        BLOCK_D=min(256, next_pow2(d)), BLOCK_S=min(tune.finish_splits, next_pow2(n_splits)),
+        BLOCK_D=block_d, BLOCK_S=min(tune.finish_splits, next_pow2(n_splits)), ONE_PASS=block_d >= d,
         num_warps=tune.finish_warps, **opts)
     return new, post, comb, x
 

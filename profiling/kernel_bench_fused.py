@@ -16,6 +16,7 @@ from deepinfer.models.rope import yarn_inv_freq
 from deepinfer_kernels.compressor_decode import compressor_decode, compressor_decode_ref
 from deepinfer_kernels.mhc import hc_head, hc_head_ref, hc_post_pre, hc_post_pre_ref, hc_pre, hc_pre_ref
 from deepinfer_kernels.norm_rope import norm_rope, norm_rope_ref
+from deepinfer_kernels.skinny_gemm import skinny_linear, skinny_linear_ref
 
 BF = torch.bfloat16
 DEV = "cuda"  # kernel_bench.main sets it ("cpu" for --smoke)
@@ -95,4 +96,26 @@ def bench_epilogue(rec: kb.Recorder, wname: str, w: dict[str, int]) -> None:
                  kb.close(), r * (2 * ratio * 2 * 2 * dd * 4 + dd * 2), 0.0)
 
 
-SECTIONS = {"mhc": bench_mhc, "epilogue": bench_epilogue}
+def bench_skinny(rec: kb.Recorder, wname: str, w: dict[str, int]) -> None:
+    """The decode LM head (vocab x hidden) and a wide attention projection at a few rows:
+    skinny_linear (a few tile shapes) vs cuBLAS (F.linear, the reference, graphed too)."""
+    h = w["hidden"]
+    vocab = 129280 if DEV == "cuda" else 300
+    shapes = {"head": (vocab, h), "wq_b": (w["heads"] * w["head_dim"], 512 if DEV == "cuda" else 32)}
+    alts = [dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+            dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3),
+            dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=3)] if DEV == "cuda" else []
+    for sname, (n, k) in shapes.items():
+        wt = (torch.randn(n, k, device=DEV) * k ** -0.5).to(BF)
+        for t in ((1, 4, 16, 64) if DEV == "cuda" else (3,)):
+            x = torch.randn(t, k, device=DEV).to(BF)
+            nb = n * k * 2 + t * (k + n) * 2
+            for cfg in [None] + alts:
+                rec.case(f"skinny_linear {sname}", wname, f"M={t} N={n} K={k}",
+                         lambda: skinny_linear(x, wt, config=cfg), lambda: skinny_linear_ref(x, wt),
+                         kb.close(), nb, 2.0 * t * n * k, ref_reps=10 if cfg is None else 0,
+                         config=cfg or {"default": True}, ref_graph=True)
+        del wt
+
+
+SECTIONS = {"mhc": bench_mhc, "epilogue": bench_epilogue, "skinny": bench_skinny}

@@ -61,6 +61,27 @@ def time_us(module, args: tuple) -> float:
     return kb.graph_time(lambda: run_case(module, args)) * 1e3
 
 
+def kernel_breakdown(args: tuple, tuning: dict) -> dict[str, float]:
+    """Device time per kernel per call (torch profiler over 50 eager calls): which of the
+    two launches the time goes to."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fields = {k: v for k, v in tuning.items() if k in vars(mhc.TUNING)}
+    with mhc.tuned(**fields):
+        for _ in range(3):
+            run_case(mhc, args)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(50):
+                run_case(mhc, args)
+            torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ("_mix" in ev.key or "_finish" in ev.key) and ev.self_cpu_time_total == 0:
+            out[ev.key] = round(ev.device_time_total / 50, 2)
+    return out
+
+
 def sweep(candidates: list[dict], cases: dict, rows: list) -> dict:
     """Time every candidate on every case; return the one with the least summed time."""
     best, best_total = None, float("inf")
@@ -107,16 +128,25 @@ def main() -> None:
             base_row[key] = {"us": round(time_us(old, a), 2), "rel_err": max_err(run_case(old, a), ref)}
         print("baseline", {k: v["us"] for k, v in base_row.items()}, flush=True)
     sweep([{}], cases, rows)  # the shipped default first
-    stage1 = [dict(split=s, large_split=s, mix_warps=w) for s in (64, 128, 256, 512) for w in (2, 4)]
+    dot_only = dict(rows_max_t=0)
+    stage1 = [dict(dot_only, split=s, large_split=s, mix_warps=w) for s in (64, 128, 256, 512) for w in (2, 4)]
     b1 = sweep(stage1, cases, rows)
-    stage2 = [dict(b1, finish_block_t=bt, finish_warps=w, finish_splits=fs)
-              for bt in (1, 2, 4, 8) for w in (1, 2, 4) for fs in (16, 64)]
+    # the row mix kernel for decode-sized steps: columns and tokens per program, warps
+    stage_rows = [dict(b1, rows_max_t=64, rows_split=s, rows_per_program=r, mix_warps=w)
+                  for s in (64, 128, 256) for r in (1, 2, 4, 8) for w in (1, 2, 4)]
+    b_rows = sweep(stage_rows, cases, rows)
+    stage2 = [dict(b_rows, finish_block_t=bt, finish_warps=w, finish_splits=fs, finish_one_pass=op)
+              for bt in (1, 2, 4) for w in (1, 2, 4) for fs in (16, 64) for op in (0, 4096)]
     best = sweep(stage2, cases, rows)
+    breakdown = {key: kernel_breakdown(cases[key][0], dict(vars(mhc.TUNING), **best)) for key in cases
+                 if key.endswith(("T=1", "T=64"))}
+    print("per-kernel us per call (best):", json.dumps(breakdown), flush=True)
     default = dict(vars(mhc.TUNING))
     res = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "commit": os.environ.get("DEEPINFER_COMMIT", "unknown"), "wall_s": round(time.time() - t0, 1),
                     "timing": "CUDA graph replay of 10 calls, median of 20, per call; hc_post_pre + norm, bf16"},
-           "default": default, "best": dict(default, **best), "baseline": base_row, "rows": rows}
+           "default": default, "best": dict(default, **best), "baseline": base_row, "rows": rows,
+           "kernel_breakdown_best": breakdown}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "mhc_tuning.json"), "w") as f:
         json.dump(res, f, indent=1)

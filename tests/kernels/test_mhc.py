@@ -126,6 +126,36 @@ def test_hc_post_pre_launch_shapes(fresh_seed: int, split: int, block_s: int, mi
         assert torch.equal(a, b[5:6])
 
 
+@pytest.mark.parametrize("rows_split,per_program,one_pass", [(32, 1, True), (32, 3, False), (32, 8, True)])
+def test_row_mix_kernel(fresh_seed: int, rows_split: int, per_program: int, one_pass: bool) -> None:
+    """Decode-sized steps take the dot-free row mix kernel (a program per stream slice and
+    a few tokens); every entry point computes the reference's numbers through it, with the
+    collapse in one pass of registers or in two tiled passes, and a token's numbers do not
+    depend on the tokens sharing its program."""
+    g = gen(fresh_seed)
+    t, d = 7, 160  # 7 tokens: the last program of 3 / 4 rows is partial
+    streams = _streams(g, t, d, torch.bfloat16)
+    post, comb, _ = hc_pre_ref(streams, *_params(g, d), ITERS, HC_EPS, EPS)
+    out = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    fn, base, scale = _params(g, d)
+    fn_h, base_h, scale_h = _params(g, d, head=True)
+    norm = _norm(g, d)
+    with tuned(rows_split=rows_split, rows_per_program=per_program, finish_one_pass=4096 if one_pass else 0):
+        got = hc_post_pre(out, streams, post, comb, fn, base, scale, ITERS, HC_EPS, EPS, norm)
+        alone = hc_post_pre(out[4:5], streams[4:5], post[4:5], comb[4:5], fn, base, scale, ITERS, HC_EPS, EPS, norm)
+        pre = hc_pre(streams, fn, base, scale, 3, HC_EPS, EPS)
+        head = hc_head(streams, fn_h, base_h, scale_h, HC_EPS, EPS, norm, (out, post, comb))
+    ref = hc_post_pre_ref(out, streams, post, comb, fn, base, scale, ITERS, HC_EPS, EPS, norm)
+    assert (got[0] != ref[0]).float().mean() < 0.01
+    for a, b, dt in zip(got[1:], ref[1:], (torch.float32, torch.float32, torch.bfloat16)):
+        assert_close(a, b, dt)
+    for a, b, dt in zip(pre, hc_pre_ref(streams, fn, base, scale, 3, HC_EPS, EPS), (torch.float32,) * 2 + (torch.bfloat16,)):
+        assert_close(a, b, dt)
+    assert_close(head, hc_head_ref(streams, fn_h, base_h, scale_h, HC_EPS, EPS, norm, (out, post, comb)), torch.bfloat16)
+    for a, b in zip(alone, got):
+        assert torch.equal(a, b[4:5])
+
+
 def test_hc_rejects_unsupported_streams() -> None:
     x = torch.zeros(2, 3, 8, device=DEVICE)
     fn = torch.zeros(15, 24, device=DEVICE)

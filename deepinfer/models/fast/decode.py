@@ -63,12 +63,14 @@ def kernel_ops(kind: str) -> SimpleNamespace:
     from deepinfer_kernels import norm_rope as nr
     from deepinfer_kernels import rms_norm as rn
     from deepinfer_kernels import router as rt
+    from deepinfer_kernels import skinny_gemm as sg
 
     if kind not in ("triton", "ref"):
         raise ValueError(f"unknown fast-path op kind {kind!r}")
     sfx = "" if kind == "triton" else "_ref"
     mods = {"decode_attention": da, "indexer_topk": it, "router": rt, "fused_moe": fm, "hc_pre": mhc,
-            "hc_post_pre": mhc, "hc_head": mhc, "compressor_decode": cd, "norm_rope": nr, "rms_norm": rn}
+            "hc_post_pre": mhc, "hc_head": mhc, "compressor_decode": cd, "norm_rope": nr, "rms_norm": rn,
+            "skinny_linear": sg}
     return SimpleNamespace(kind=kind, **{name: getattr(mod, name + sfx) for name, mod in mods.items()})
 
 

@@ -91,13 +91,22 @@ def _head(model: Any, ops: Any, streams: torch.Tensor, prev: tuple, return_strea
                        cfg.rms_norm_eps, (model.norm.weight, model.norm.eps), prev, return_streams=return_streams)
 
 
+#: Decode steps with at most this many rows take the skinny GEMM for a dense LM head
+#: (cuBLAS's small-M tile streams the head at ~1.8 TB/s on an H200; at 64 rows it is fine).
+SKINNY_HEAD_MAX_ROWS = 16
+
+
 def decode_logits(model: Any, batch: ForwardBatch, cache: KVCache,
                   capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """Float32 logits [R, V] of every row of a decode batch (``batch.decode`` set).
     ``capture``: for every layer id among its keys, ``capture[i]`` is set to that layer's
     input streams [R, N, D], as ``DeepseekV4Model.forward`` does."""
     streams, prev = _layers(model, batch, cache, capture)
-    return model.head(_head(model, batch.decode.ops, streams, prev, False)).float()
+    hidden = _head(model, batch.decode.ops, streams, prev, False)
+    w = model.head._parameters.get("weight")
+    if w is not None and model.head.quantized is None and hidden.shape[0] <= SKINNY_HEAD_MAX_ROWS:
+        return batch.decode.ops.skinny_linear(hidden, w, out_dtype=torch.float32)
+    return model.head(hidden).float()
 
 
 def decode_streams(model: Any, batch: ForwardBatch, cache: KVCache,
