@@ -15,9 +15,10 @@ mixes, ``round`` = round to the activation dtype):
 * collapse ``x = round(sum_j pre[j] * s[j])``, optionally ``RMSNorm(x)`` (the sublayer's
   attn_norm / ffn_norm, or the model's final norm after the head).
 
-Two launches, whatever N and D: ``_mix_kernel`` (grid: token blocks x K splits) computes
+Two launches, whatever N and D: a mix kernel (grid: token blocks x K splits) computes
 the new streams of its K slice, their partial sum of squares and partial mix dot products
-(float32, IEEE); ``_finish_kernel`` (grid: token blocks) adds the partials (a fixed-shape
+(float32) -- ``_mix_rows_kernel`` for decode-sized steps (no tl.dot, a slice of one stream
+per program), ``_mix_kernel`` (IEEE tl.dot over 16-row tiles) above; ``_finish_kernel`` (grid: token blocks) adds the partials (a fixed-shape
 tile reduction over the splits), runs the activations and all Sinkhorn iterations in
 registers and writes post, comb and the (normed) collapse. Every token's numbers depend
 only on its own row.
@@ -26,7 +27,8 @@ Why many narrow splits: a decode step has one to a few hundred tokens, so the ke
 latency-bound; each mix program does ONE pass over ``SPLIT`` columns (no serial loop of
 dependent loads), and the finish kernel reads each row's partials as one contiguous tile
 (the first version looped over 512-column slices and summed the partials one split at a
-time: ~50 us per call at T=1 on an H200, half of a `mini` decode step's GPU time).
+time: ~50 us per call at T=1 on an H200, half of a `mini` decode step's GPU time; the
+dot kernel with narrow splits still took ~16 us at T=1, where the row kernel takes ~2.3).
 """
 
 from __future__ import annotations
@@ -43,26 +45,29 @@ from ._common import check_device, dtype_code, interpreting, next_pow2, round_to
 
 @dataclass(frozen=True)
 class MhcTuning:
-    """Launch shape of the two kernels. ``split``: columns of K per mix program for steps of
-    at most ``small_work`` = T x K elements (decode: one pass, many programs); larger steps
-    (prefill) use ``large_split`` (fewer partials to add). Measured on an H200
-    (profiling/results/mhc_tuning_h200.json): 128 beats 512 by 2.3x at T=1 and T=64 for
-    mini widths, 512 wins from T x K ~ 1M up. A row's numbers depend on its own row and on
-    which side of the threshold its step falls, never otherwise on the batch
-    (batch-invariant mode runs the reference path)."""
+    """Launch shape of the kernels, measured on an H200 (profiling/results/mhc_tuning_h200.json,
+    ``python3 profiling/mhc_tuning.py``). Steps of at most ``rows_max_t`` tokens (decode,
+    speculative verify) take the row mix kernel: ``rows_split`` columns of one stream and
+    ``rows_per_program`` tokens per program, ``rows_warps`` warps (hc_post_pre + norm at
+    T=1: 8.3 us for mini widths, 10.5 us for V4-Flash widths, vs 26.8 / 43.9 with the dot
+    kernel). Larger steps use the dot kernel with ``split`` columns per program up to
+    ``small_work`` = T x K elements and ``large_split`` above (fewer partials to add). A
+    row's numbers depend on its own row and on which kernel its step size selects, never
+    otherwise on the batch (batch-invariant mode runs the reference path)."""
 
     split: int = 128
     large_split: int = 512
     small_work: int = 64 * 4096
     mix_block_t: int = 16  # tl.dot needs >= 16 rows
     mix_warps: int = 4
-    finish_block_t: int = 2
-    finish_splits: int = 16  # splits summed per tile in the finish kernel
+    finish_block_t: int = 1
+    finish_splits: int = 64  # splits summed per tile in the finish kernel
     finish_warps: int = 4
     finish_one_pass: int = 4096  # finish rows x D up to this: the collapse in one pass of registers
-    rows_max_t: int = 64  # steps of at most this many tokens use the row mix kernel ...
-    rows_split: int = 128  # ... with this many columns (of one stream) per program ...
-    rows_per_program: int = 4  # ... and this many tokens per program (the fn tile loaded once)
+    rows_max_t: int = 64
+    rows_split: int = 256  # the largest power of two <= this dividing D is used (>= 32, else the dot kernel)
+    rows_per_program: int = 2
+    rows_warps: int = 1
 
 
 #: The shape every launch uses (profiling/mhc_tuning.py sweeps alternatives on a GPU).
@@ -296,9 +301,12 @@ def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         new = src = torch.empty(t, n, d, dtype=dtype, device=dev)
     tune = TUNING
     np_ = max(16, next_pow2(n))
-    rows = t <= tune.rows_max_t and d % tune.rows_split == 0
+    rows_split = tune.rows_split
+    while rows_split > 32 and d % rows_split:
+        rows_split //= 2
+    rows = t <= tune.rows_max_t and d % rows_split == 0
     if rows:
-        split = tune.rows_split
+        split = rows_split
     else:
         split = tune.split if t * n * d <= tune.small_work else tune.large_split
     n_splits = triton.cdiv(n * d, split)
@@ -313,14 +321,14 @@ def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     opts = {} if interp else {"enable_fp_fusion": False}
     mix_args = (streams, out, post_in, comb_in, new if new is not None else x, fn, part, ss,
                 t, d, streams.stride(0), streams.stride(1), out.stride(0), n_splits)
-    mix_kw = dict(N=n, HAS_POST=prev is not None, HEAD=head, CODE=code, INTERP=interp, NP=np_, SPLIT=split,
-                  num_warps=tune.mix_warps, **opts)
+    mix_kw = dict(N=n, HAS_POST=prev is not None, HEAD=head, CODE=code, INTERP=interp, NP=np_, SPLIT=split, **opts)
     if rows:
         _mix_rows_kernel[(triton.cdiv(t, tune.rows_per_program), n_splits)](
-            *mix_args, ROWS=tune.rows_per_program, MIXP=next_pow2(n if head else (2 + n) * n), **mix_kw)
+            *mix_args, ROWS=tune.rows_per_program, MIXP=next_pow2(n if head else (2 + n) * n),
+            num_warps=tune.rows_warps, **mix_kw)
     else:
         _mix_kernel[(triton.cdiv(t, tune.mix_block_t), n_splits)](
-            *mix_args, BLOCK_T=tune.mix_block_t, BLOCK_K=min(64, split), **mix_kw)
+            *mix_args, BLOCK_T=tune.mix_block_t, BLOCK_K=min(64, split), num_warps=tune.mix_warps, **mix_kw)
     norm_w, out_eps = (norm[0].float().contiguous(), float(norm[1])) if norm is not None else (base, 1.0)
     # a whole row in registers when it fits (one pass of loads), else 256-column tiles
     block_d = next_pow2(d) if next_pow2(d) * tune.finish_block_t <= tune.finish_one_pass else min(256, next_pow2(d))

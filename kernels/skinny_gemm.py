@@ -1,11 +1,12 @@
 """GEMM for a few rows against a wide weight: ``y = x @ W^T`` for x [M <= 64, K] and a
 dense W [N, K] (the LM head of a decode step: M = the step's sampled rows, N = vocab).
 
-Why a kernel: at M = 1 cuBLAS picks an 8 x 64 tile kernel that streams a `mini` head
-(129,280 x 1,024 bf16, 265 MB) at ~1.8 TB/s on an H200 (``kernel_profile_b1`` in
-profiling/results/fastpath_bench_h200_mini_c607a8c.json: 144 us of a 1.33 ms step). The
-product is a pure weight stream: one program per BLOCK_N output columns walks K with the
-rows padded to one 16-row MMA tile, so W is read once at full width.
+Why a kernel: the product is a pure weight stream (a `mini` head is 129,280 x 1,024 bf16,
+265 MB): one program per BLOCK_N output columns walks K with the rows padded to one
+16-row MMA tile, so W is read once at full width. On an H200 (kernel_bench_h200.json,
+``skinny`` section, graphed) it streams the mini / V4-Flash heads at 4.1-4.5 TB/s for
+M <= 16, 1.0-1.1x cuBLAS; at M = 64 cuBLAS is faster (0.9x), so the engine keeps F.linear
+there.
 
 Numerics: float32 accumulation, rounded once to the activation dtype (what F.linear
 returns); the result may be stored as float32 holding those rounded values (the logits

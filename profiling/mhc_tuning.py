@@ -132,7 +132,7 @@ def main() -> None:
     stage1 = [dict(dot_only, split=s, large_split=s, mix_warps=w) for s in (64, 128, 256, 512) for w in (2, 4)]
     b1 = sweep(stage1, cases, rows)
     # the row mix kernel for decode-sized steps: columns and tokens per program, warps
-    stage_rows = [dict(b1, rows_max_t=64, rows_split=s, rows_per_program=r, mix_warps=w)
+    stage_rows = [dict(b1, rows_max_t=64, rows_split=s, rows_per_program=r, rows_warps=w)
                   for s in (64, 128, 256) for r in (1, 2, 4, 8) for w in (1, 2, 4)]
     b_rows = sweep(stage_rows, cases, rows)
     stage2 = [dict(b_rows, finish_block_t=bt, finish_warps=w, finish_splits=fs, finish_one_pass=op)

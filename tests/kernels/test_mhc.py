@@ -50,8 +50,9 @@ def test_hc_pre(fresh_seed: int, dtype: torch.dtype, t: int, d: int, normed: boo
     assert_close(x, x_r, dtype)
     # the Sinkhorn output is (nearly) doubly stochastic: the kernel really iterated
     assert torch.allclose(comb.sum(-2), torch.ones(t, N, device=DEVICE), atol=1e-4)
-    if iters == ITERS:
-        assert torch.allclose(comb.sum(-1), torch.ones(t, N, device=DEVICE), atol=1e-2)
+    if iters == ITERS:  # rows converge as far as the reference's 20 iterations take them (not always to 1e-2)
+        row_err, row_err_r = (comb.sum(-1) - 1).abs().max(), (comb_r.sum(-1) - 1).abs().max()
+        assert row_err <= row_err_r + 1e-4 and row_err_r < 0.1
 
 
 def test_hc_pre_expanded_embedding(fresh_seed: int) -> None:
