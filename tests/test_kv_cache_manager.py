@@ -196,3 +196,42 @@ def test_max_blocks_needed() -> None:
     need = kv.max_blocks_needed(100, max_chunk=4)
     assert need["csa"] == 25
     assert need["swa"] == -(-(W - 1 + 4) // B) + 1
+
+
+def test_decode_fast_path_matches_full_allocation() -> None:
+    """A decode step inside its blocks returns early (the common case at large batches);
+    tables, frees and pool state stay identical to the full allocation path, through
+    prefix hits, window frees at block edges, multi-token (speculative) steps and a
+    preemption with readmission."""
+    fast, full = make(), make()
+    full._covered = lambda *a: False  # the reference: every call takes the full path
+    for kv in (fast, full):
+        seed = req("s", list(range(100, 113)))
+        admit(kv, seed)
+        kv.free(seed)
+    plan = [1] * 7 + [3, 1, 2] + [1] * 9
+    reqs = {id(kv): req("a", list(range(100, 111))) for kv in (fast, full)}
+    for kv in (fast, full):
+        r = reqs[id(kv)]
+        assert admit(kv, r) > 0  # a prefix hit (tables start with a hit, window entries -1)
+    hits = []
+    covered = fast._covered
+    fast._covered = lambda *a: hits.append(covered(*a)) or hits[-1]
+    for step, n in enumerate(plan):
+        for kv in (fast, full):
+            r = reqs[id(kv)]
+            if step == 12:  # preempt and readmit
+                kv.free(r)
+                r.num_computed_tokens = 0
+                admit(kv, r)
+            for _ in range(n):
+                r.append_output_token(7)
+            assert kv.allocate_slots(r, n)
+            r.num_computed_tokens += n
+            kv.cache_blocks(r)
+        a, b = reqs[id(fast)], reqs[id(full)]
+        assert a.block_table == b.block_table, step
+        assert fast.num_free_blocks("swa") == full.num_free_blocks("swa")
+        assert fast.num_free_blocks("csa") == full.num_free_blocks("csa")
+        fast.assert_consistent()
+    assert any(hits) and not all(hits)  # both paths ran

@@ -135,6 +135,22 @@ class HybridKVCacheManager:
         return empty, 0
 
     # -------------------------------------------------------------- allocate
+    def _covered(self, request: Request, start: int, need_blocks: int) -> bool:
+        """Every group's table already holds ``need_blocks`` blocks and the window groups
+        have nothing below this step's window left to free. Each allocation frees every
+        block below its window and windows only move forward, so the freed entries (-1)
+        form a prefix: the newest block below the window being -1 means all below are."""
+        tables = request.block_table
+        for g in self.groups:
+            table = tables.get(g.name)
+            if table is None or len(table) < need_blocks:
+                return False
+            if g.sliding_window is not None:
+                first = self._first_needed_block(g, start)
+                if first and table[first - 1] != -1:
+                    return False
+        return True
+
     def allocate_slots(
         self,
         request: Request,
@@ -154,6 +170,8 @@ class HybridKVCacheManager:
         B = self.block_size
         start = request.num_computed_tokens + num_new_computed_tokens  # earliest query
         need_blocks = _cdiv(start + num_new_tokens, B)
+        if new_computed_blocks is None and request.state_slot is not None and self._covered(request, start, need_blocks):
+            return True  # a decode step inside its blocks: nothing to allocate, nothing to free
         if request.state_slot is None and not self._free_slots:
             return False
         plans = []  # (group, table, hit_ids, to_free_idx, n_new)

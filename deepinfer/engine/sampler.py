@@ -80,18 +80,15 @@ class SamplingTensors:
         greedy = [p.is_greedy for p in params]
         assert all(p.seq_seed is not None for p in params)
 
-        def t(values: list, dtype: torch.dtype) -> torch.Tensor:  # no host sync on CUDA (async scheduling)
-            return to_device(values, dtype, device)
-
+        # two host -> device copies per step (not one per field): rows of one float32 and one
+        # int64 tensor, views on the device (no host sync on CUDA: async scheduling)
+        floats = to_device([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                            [p.top_p for p in params], [p.min_p for p in params]], torch.float32, device)
+        ints = to_device([[p.top_k for p in params], [rng.seed_to_int64(p.seq_seed) for p in params],  # type: ignore[arg-type]
+                          list(positions), greedy], torch.int64, device)
         return cls(
-            temperature=t([1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                          torch.float32),
-            top_k=t([p.top_k for p in params], torch.int64),
-            top_p=t([p.top_p for p in params], torch.float32),
-            min_p=t([p.min_p for p in params], torch.float32),
-            seed=t([rng.seed_to_int64(p.seq_seed) for p in params], torch.int64),  # type: ignore[arg-type]
-            position=t(list(positions), torch.int64),
-            greedy=t(greedy, torch.bool),
+            temperature=floats[0], top_k=ints[0], top_p=floats[1], min_p=floats[2], seed=ints[1], position=ints[2],
+            greedy=ints[3] != 0,
             max_top_logprobs=max((p.top_logprobs for p in params), default=0),
             all_greedy=all(greedy),
             any_top_k=any(p.top_k != -1 and not g for p, g in zip(params, greedy)),

@@ -134,23 +134,26 @@ class FastPath:
     def _host_inputs(self, so: Any, width: int, rows: int) -> torch.Tensor:
         """The flat int32 layout of :class:`StepInputs` on the host (pinned on CUDA: the
         copy never makes the host wait for the stream); rows past the batch repeat row 0
-        (each its own group), ids are filled on the device."""
-        lens = [r.num_tokens for r in so.scheduled]
-        n = sum(lens)
+        (each its own group), ids are filled on the device. Built with one numpy
+        conversion per field (the per-request slice assignments cost ~40% of a 64-request
+        step's host time)."""
+        reqs = so.scheduled
+        lens = [r.num_tokens for r in reqs]
+        n, k = sum(lens), len(lens)
         head = np.zeros(4 * rows + 1, dtype=np.int32)
         pos, slot, starts = head[rows:2 * rows], head[2 * rows:3 * rows], head[3 * rows:]
         tables = np.zeros((len(self.groups), rows, width), dtype=np.int32)
-        row = 0
-        for req, m in zip(so.scheduled, lens):
-            pos[row:row + m] = np.arange(req.start_pos, req.start_pos + m)
-            slot[row:row + m] = req.state_slot
-            for i, g in enumerate(self.groups):
-                t = req.block_table[g][:width]
-                tables[i, row:row + m, :len(t)] = t
-            row += m
+        first = np.fromiter((r.start_pos for r in reqs), dtype=np.int32, count=k)
+        ends = np.cumsum(lens)
+        offsets = np.arange(n, dtype=np.int32) - np.repeat(ends - lens, lens)  # row index inside its request
+        pos[:n] = np.repeat(first, lens) + offsets
+        slot[:n] = np.repeat(np.fromiter((r.state_slot for r in reqs), dtype=np.int32, count=k), lens)
+        for i, g in enumerate(self.groups):
+            padded = [t[:width] + [0] * (width - len(t)) if len(t) < width else t[:width]
+                      for t in (r.block_table[g] for r in reqs)]
+            tables[i, :n] = np.repeat(np.array(padded, dtype=np.int32), lens, axis=0) if n > k else padded
         pos[n:], slot[n:], tables[:, n:] = pos[0], slot[0], tables[:, :1]
-        k = len(lens)
-        starts[:k] = np.cumsum([0] + lens[:-1])
+        starts[:k] = ends - lens
         starts[k:k + rows - n] = np.arange(n, rows)  # padded rows: one group each
         starts[k + rows - n:] = rows
         flat = torch.from_numpy(np.concatenate([head, tables.ravel()]))
