@@ -238,7 +238,9 @@ class LLM:
             if self.structured.advance(req) and not req.is_finished:  # grammar done (EOS accepted)
                 self.scheduler.finish_request(req.req_id, "stop")
             detok = detoks.get(req.req_id)
-            if detok is not None and not detok.finished:
+            # only stop strings need the text while generating (generate() does not stream):
+            # the others are detokenized once, when their output is built
+            if detok is not None and not detok.finished and detok.stop:
                 detok.update(req.output_token_ids[len(detok.token_ids):])
                 if detok.stopped_by is not None and not req.is_finished:
                     self.scheduler.finish_request(req.req_id, "stop", stop_reason=detok.stopped_by)
@@ -246,6 +248,8 @@ class LLM:
                 bar.update(1)
 
     def _output(self, prompt: str | None, req: Request, detok: IncrementalDetokenizer) -> RequestOutput:
+        if not detok.finished:
+            detok.update(req.output_token_ids[len(detok.token_ids):])
         detok.finish()
         sp = req.sampling_params
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,

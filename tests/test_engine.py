@@ -106,6 +106,21 @@ def test_stop_token_and_stop_string(ckpt):
     assert out.text == text[: text.index(stop_str)]
 
 
+def test_text_is_the_same_detokenized_once_or_incrementally():
+    """Requests without stop strings are detokenized once, when their output is built;
+    with a stop string that never matches they are detokenized token by token: the text
+    is the same, and it is the tokenizer's decode of the output ids (trained tiny model:
+    real multi-byte text)."""
+    llm = LLM(max_num_seqs=4)
+    prompts = ["The history of", "Dear friend,", "def main():"]
+    once = llm.generate(prompts, SamplingParams(temperature=0.8, seq_seed=3, max_tokens=40), use_tqdm=False)
+    steps = llm.generate(prompts, SamplingParams(temperature=0.8, seq_seed=3, max_tokens=40, stop=["\x00never"]),
+                         use_tqdm=False)
+    for a, b in zip(once, steps):
+        assert a.token_ids == b.token_ids and len(a.text) > 10
+        assert a.text == b.text == llm.tokenizer.decode(a.token_ids, skip_special_tokens=True)
+
+
 @pytest.mark.parametrize("call,message", [
     (lambda llm: llm.generate(prompt_token_ids=[[]]), r"prompt_token_ids\[0\] is empty"),
     (lambda llm: llm.generate([""]), r"prompts\[0\] is empty"),
