@@ -4,9 +4,9 @@ Reads config.json and sharded safetensors (model.safetensors.index.json, or a si
 model.safetensors) memory-mapped, maps official names (optionally `model.`-prefixed)
 onto the model's parameters and fails with the tensor or field named on anything
 missing, misshapen or unknown. Quantized Linears (FP8 block-scaled, FP4 experts) keep
-ONE representation: the checkpoint bytes on `Linear.quantized` where something computes
-from them (the FP8 GEMM on CUDA; per-call dequantization elsewhere), or the dense
-dequantized weight (FP4 experts on CUDA, which no FP4 kernel consumes yet).
+ONE representation: the checkpoint bytes on `Linear.quantized` (the FP8 GEMM and the
+weight-only FP8 / FP4 fused MoE kernels read them on CUDA; elsewhere they are
+dequantized per call).
 """
 
 from __future__ import annotations
@@ -107,9 +107,9 @@ def _logical_shape(q: QuantizedWeight) -> tuple[int, ...]:
 
 def keeps_bytes_only(fmt: str, device: torch.device | str) -> bool:
     """Whether a quantized Linear keeps only its checkpoint bytes (no dense copy) there:
-    FP8 always (the FP8 GEMM reads them on CUDA, other devices dequantize per call); FP4
-    everywhere but CUDA, where no FP4 kernel exists yet and the dense weight is kept."""
-    return fmt == "fp8" or torch.device(device).type != "cuda"
+    always. On CUDA the FP8 GEMM and the fast path's FP8 / FP4 MoE kernels read them
+    (the reference path dequantizes per call, as every other device does)."""
+    return fmt in ("fp8", "fp4")
 
 
 def _quantized_weight_names(raw: dict[str, torch.Tensor]) -> dict[str, str]:

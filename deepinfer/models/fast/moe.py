@@ -5,6 +5,12 @@ The shared expert has the routed experts' shape, so it is stacked after them as 
 E and every token gets one extra slot (weight 1, id E) from the router: the fused
 combine adds slots in ascending expert id with a rounding after each add, so the shared
 output lands last, exactly as the reference's ``routed + shared_experts(x)``.
+
+Routed experts that keep only their checkpoint bytes (FP8 block-scaled or FP4, the
+official V4 layout) run the weight-only quantized kernels
+(``deepinfer_kernels.fused_moe_quant``: the weights decoded in the kernel, bit for bit
+the reference's dequantized weights); the shared expert (FP8 in checkpoints) then runs
+its own Linears after them, as the reference adds it.
 """
 
 from __future__ import annotations
@@ -42,6 +48,32 @@ def stacked_experts(moe: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, t
     return stacks
 
 
+def quantized_experts(moe: torch.nn.Module) -> Any | None:
+    """The routed experts' checkpoint bytes stacked once for the quantized kernels, or None
+    when they hold dense weights. Each expert's ``QuantizedWeight`` then views the stacks
+    (scales as E8M0 bytes, the same values), so the bytes are not held twice."""
+    experts = list(moe.experts)
+    lin = experts[0].w1
+    if lin.quantized is None or lin._parameters.get("weight") is not None:
+        return None
+    stacks = getattr(moe, "_fast_qstacks", None)
+    if stacks is not None and stacks.w1.data_ptr() == lin.quantized.data.data_ptr():
+        return stacks
+    from deepinfer_kernels.fused_moe_quant import stack_quantized_experts
+
+    from ..linear import QuantizedWeight
+
+    names = ("w1", "w3", "w2")
+    stacks = stack_quantized_experts(*([getattr(ex, n).quantized for ex in experts] for n in names))
+    for e, ex in enumerate(experts):
+        for n in names:
+            q = getattr(ex, n).quantized
+            getattr(ex, n).quantized = QuantizedWeight(q.fmt, getattr(stacks, n)[e], getattr(stacks, "s" + n[1])[e],
+                                                       q.block)
+    moe._fast_qstacks = stacks
+    return stacks
+
+
 def supported(moe: torch.nn.Module) -> bool:
     """A plain ``MoE`` (not an expert-parallel replacement) with a router the kernel has and
     no load counting (EPLB counts on the reference path)."""
@@ -53,8 +85,9 @@ def supported(moe: torch.nn.Module) -> bool:
 def moe_forward(moe: torch.nn.Module, x: torch.Tensor, input_ids: torch.Tensor, ops: Any) -> torch.Tensor:
     """x [T, hidden] -> [T, hidden]; same math as ``MoE.forward``."""
     gate = moe.gate
-    w1, w3, w2 = stacked_experts(moe)
-    fused_shared = w1.shape[0] > moe.n_experts
+    quantized = quantized_experts(moe)
+    w1, w3, w2 = stacked_experts(moe) if quantized is None else (None, None, None)
+    fused_shared = w1 is not None and w1.shape[0] > moe.n_experts
     extra = {"extra_id": moe.n_experts} if fused_shared else {}
     logits = F.linear(x, gate.weight)
     if gate.is_hash:
@@ -62,7 +95,10 @@ def moe_forward(moe: torch.nn.Module, x: torch.Tensor, input_ids: torch.Tensor, 
                                   tid2eid=gate.tid2eid, input_ids=input_ids, **extra)
     else:
         weights, ids = ops.router(logits, gate.bias, gate.top_k, gate.route_scale, gate.normalize, gate.func, **extra)
-    out = ops.fused_moe(x, w1, w3, w2, weights, ids, moe.experts[0].limit)
+    if quantized is not None:
+        out = quantized(x, weights, ids, moe.experts[0].limit, ref=ops.kind == "ref")
+    else:
+        out = ops.fused_moe(x, w1, w3, w2, weights, ids, moe.experts[0].limit)
     if moe.shared_experts is not None and not fused_shared:
         out = out + moe.shared_experts(x)
     return out
