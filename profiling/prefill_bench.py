@@ -11,9 +11,13 @@ Per variant:
     chunked by the 8192-token budget, so a chunked step runs beside whole prompts)
     prefilled (``max_tokens=1``) through the reference path in float32 (the truth), then
     in bf16 through the reference path and the fast path: relative error (Frobenius) of
-    each prompt's last-row logits to the truth; pass = the fast path's error <= 1.25 x the
-    bf16 reference's + 1e-3 for every prompt (the two bf16 paths round at different points,
-    so they are not compared with each other for the verdict; that distance is recorded);
+    each prompt's last-row logits to the truth; pass = the fast path's mean error over the
+    prompts <= 1.25 x the bf16 reference's mean + 1e-3, and no prompt's above 2 x the
+    reference's largest (the two bf16 paths round at different points, so they are not
+    compared with each other for the verdict; that distance is recorded). Per prompt, two
+    bf16 errors on random weights scatter by 2-7x either way (H200, mini: fast 0.079 vs
+    reference 0.051 at 700 tokens, 0.067 vs 0.379 at 2100), so a per-prompt rule fails
+    both paths at random; a wrong fast path reaches ~1 on the prompts it breaks;
 (b) FP8 GEMMs (GPU): the FP8 linear (act quant + Triton block-scaled GEMM) vs bf16
     F.linear vs torch's cuBLAS block-scaled _scaled_mm, on mini's projection shapes at 8192
     rows: TFLOP/s and error to the w8a8 reference;
@@ -131,7 +135,8 @@ def check_prefill(llm: LLM, prompts: list[list[int]], truth: list[torch.Tensor])
     """Fast vs reference prefill logits of each prompt's last row, both against ``truth``
     (the reference path in float32 on the same weights): two bf16 paths round at different
     points, so each is held to the bf16 reference's own distance from float32. Passes when
-    every prompt's fast-path error <= 1.25 x the bf16 reference's + 1e-3."""
+    the fast path's mean error <= 1.25 x the bf16 reference's mean + 1e-3 and no prompt's
+    exceeds 2 x the reference's largest (module docstring: why not per prompt)."""
     ref = prefill_logits(llm, prompts, fast=False)
     fast = prefill_logits(llm, prompts, fast=True)
     err_fast = [_rel(f, t) for f, t in zip(fast, truth)]
@@ -139,7 +144,8 @@ def check_prefill(llm: LLM, prompts: list[list[int]], truth: list[torch.Tensor])
     return {"prompt_lens": [len(p) for p in prompts], "fast_vs_fp32_rel_err": err_fast,
             "reference_vs_fp32_rel_err": err_ref, "fast_vs_reference_rel_err": [_rel(f, r) for f, r in zip(fast, ref)],
             "greedy_agree_fast_reference": sum(int(f.argmax() == r.argmax()) for f, r in zip(fast, ref)),
-            "passed": all(ef <= 1.25 * er + 1e-3 for ef, er in zip(err_fast, err_ref)),
+            "passed": (sum(err_fast) <= 1.25 * sum(err_ref) + 1e-3 * len(err_ref)
+                       and max(err_fast) <= 2.0 * max(err_ref) + 1e-3),
             "fast_prefill_stats": dict(llm.runner.fast_prefill.stats)}
 
 
@@ -251,6 +257,9 @@ def bench_fp8_gemms(cfg, tokens: int = 8192) -> list[dict]:
     ``cfg``'s FP8 projections at ``tokens`` rows, and torch's block-scaled _scaled_mm
     (cuBLAS, 1x128 activations x 128x128 weights) where this torch build has it: TFLOP/s
     and relative error to the w8a8 torch reference."""
+    from deepinfer.models.fast.decode import _ensure_kernels_importable
+
+    _ensure_kernels_importable()  # a source tree on PYTHONPATH (the device machine): kernels/ by path
     from deepinfer_kernels.fp8_gemm import fp8_linear, fp8_linear_ref
 
     h, q = cfg.hidden_size, cfg.q_lora_rank
