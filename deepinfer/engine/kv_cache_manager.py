@@ -199,7 +199,7 @@ class HybridKVCacheManager:
             for i in to_free:
                 table[i] = -1
             table += pool.allocate(n_new)
-            request.block_table[g.name] = table
+            request.block_table[g.name] = table  # a new list: scheduled snapshots share the old one
         if request.state_slot is None:
             request.state_slot = self._free_slots.pop()
         if new_computed_blocks is not None:

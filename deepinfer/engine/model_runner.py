@@ -76,8 +76,8 @@ class ModelRunner:
                                 req.num_prompt_tokens))
             ids.extend(req.token_ids)
             positions.extend(range(req.start_pos, req.start_pos + req.num_tokens))
-        batch = ForwardBatch(to_device(ids, torch.long, self.device), to_device(positions, torch.long, self.device),
-                             seqs, self.replay)
+        ids_pos = to_device([ids, positions], torch.long, self.device)  # one host -> device copy
+        batch = ForwardBatch(ids_pos[0], ids_pos[1], seqs, self.replay)
         if self.token_buffer is not None:
             self.token_buffer.fill(so, batch)
         return batch
@@ -111,9 +111,13 @@ class ModelRunner:
                 streams = self.model(batch, self.cache) if prefill is None else self.fast_prefill.forward(batch, prefill)
         if step.picks:
             seqs = batch.seqs
-            rows = to_device([seqs[i].offset + seqs[i].length - 1 for i in step.picks], torch.long, self.device)
+            last = [seqs[i].offset + seqs[i].length - 1 for i in step.picks]
             with phase(LOGITS):
-                step.logits = self.model.compute_logits(streams[rows]) if fast_logits is None else fast_logits[rows]
+                if fast_logits is not None and last == list(range(fast_logits.shape[0])):
+                    step.logits = fast_logits  # a plain decode step: every row samples, in order
+                else:
+                    rows = to_device(last, torch.long, self.device)
+                    step.logits = self.model.compute_logits(streams[rows]) if fast_logits is None else fast_logits[rows]
         return step
 
     @torch.no_grad()

@@ -148,7 +148,7 @@ class Scheduler:
             token_ids=known + [PLACEHOLDER_TOKEN_ID] * (n - len(known)) + req.draft_token_ids[:num_drafts],
             num_draft_tokens=num_drafts,
             start_pos=start,
-            block_table={g: list(t) for g, t in req.block_table.items()},
+            block_table=dict(req.block_table),  # the lists are shared: allocate_slots replaces, never mutates them
             state_slot=req.state_slot,  # type: ignore[arg-type]
             is_new=is_new,
             needs_sample=start + n == req.num_tokens_with_placeholders,  # n counts real tokens only

@@ -53,8 +53,7 @@ class DeviceTokenBuffer:
                     slots.append(r.state_slot)
             offset += r.num_tokens
         if rows:
-            rows_t = to_device(rows, torch.long, self.device)
-            slots_t = to_device(slots, torch.long, self.device)
+            rows_t, slots_t = to_device([rows, slots], torch.long, self.device)  # one host -> device copy
             batch.input_ids[rows_t] = self.last[slots_t]
             self.num_gathered += len(rows)
             if self.debug:  # a slot is read once; a second read (wrong gather) sees -1
