@@ -5,13 +5,15 @@ on the launch path may synchronise with the device:
 
 * host -> device: ``torch.tensor(values, device="cuda")`` copies from pageable memory
   with a blocking copy, i.e. a stream synchronisation: the host would wait for every
-  step already queued. :func:`to_device` stages the values in pinned memory and copies
-  with ``non_blocking=True``; torch's caching host allocator keeps the pinned block
-  alive until the copy has run, so the staging tensor may be dropped at once.
+  step already queued. :func:`to_device` / :func:`copy_to_device` stage the values in a
+  reused pinned block (:class:`PinnedRing`: a fresh pinned tensor per copy cost ~50 us
+  of host time each) and copy with ``non_blocking=True``; an event per block keeps it
+  from being rewritten before its copy ran.
 * device -> host: :class:`ResultCopier` copies a step's sampled tokens / logprobs on its
-  own CUDA stream into pinned buffers, after the compute stream's work so far, and
-  records an event. The host later waits on that event only (:meth:`HostResult.wait`);
-  the compute stream meanwhile runs the next step, which was launched first.
+  own CUDA stream into one reused pinned block, after the compute stream's work so far,
+  and records an event. The host later waits on that event only (:meth:`HostResult.wait`,
+  which clones the few small results out of the block); the compute stream meanwhile
+  runs the next step, which was launched first.
 
 On CPU (and any backend without CUDA streams) both are plain synchronous copies: there
 the device is the host thread itself.
@@ -21,16 +23,81 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["to_device", "HostResult", "ResultCopier"]
+__all__ = ["to_device", "copy_to_device", "HostResult", "ResultCopier", "PinnedRing"]
+
+_NUMPY = {torch.long: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_,
+          torch.float64: np.float64}
+
+
+class PinnedRing:
+    """Reused pinned staging blocks. A fresh pinned tensor per copy (``torch.tensor(values,
+    pin_memory=True)``, ``torch.empty(..., pin_memory=True)``) costs ~50 us of host time
+    each on the lent H200 hosts (profiling/results/host_phases_mini.json: the sampler's
+    tensors and the result copy were ~360 us of a 1.6 ms batch-1 step). A block is reused
+    ``slots`` takes later, after the event of the copy that last used it (normally long
+    done; waited on otherwise, so a block is never overwritten under a pending copy)."""
+
+    def __init__(self, slots: int = 32) -> None:
+        self._blocks: list[torch.Tensor | None] = [None] * slots
+        self._events: list[torch.cuda.Event | None] = [None] * slots
+        self._next = 0
+
+    def stage(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """(slot, a pinned uint8 block of at least ``nbytes``) whose previous copy has run."""
+        i = self._next
+        self._next = (i + 1) % len(self._blocks)
+        event = self._events[i]
+        if event is not None:
+            event.synchronize()
+        block = self._blocks[i]
+        if block is None or block.numel() < nbytes:
+            block = self._blocks[i] = torch.empty(max(4096, 1 << (max(nbytes, 1) - 1).bit_length()),
+                                                  dtype=torch.uint8, pin_memory=True)
+        return i, block
+
+    def copied(self, slot: int, event: torch.cuda.Event) -> None:
+        """The copy out of / into ``slot`` was enqueued before ``event``."""
+        self._events[slot] = event
+
+
+_H2D = PinnedRing()
 
 
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
-    """``torch.tensor(values, dtype=dtype, device=device)`` without a host sync on CUDA."""
-    if device is not None and torch.device(device).type == "cuda":
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-    return torch.tensor(values, dtype=dtype, device=device)
+    """``torch.tensor(values, dtype=dtype, device=device)`` without a host sync on CUDA:
+    staged in a reused pinned block (:class:`PinnedRing`), copied with ``non_blocking``."""
+    if device is None or torch.device(device).type != "cuda" or dtype not in _NUMPY:
+        if device is not None and torch.device(device).type == "cuda":
+            return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype, device=device)
+    arr = np.asarray(values, dtype=_NUMPY[dtype])
+    slot, block = _H2D.stage(arr.nbytes)
+    host = block[:arr.nbytes].view(dtype).view(arr.shape)
+    host.numpy()[...] = arr
+    out = host.to(device, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    _H2D.copied(slot, event)
+    return out
+
+
+def copy_to_device(dst: torch.Tensor, arr: np.ndarray) -> None:
+    """``dst.copy_(arr)`` for a contiguous device tensor ``dst`` of ``arr``'s dtype and size,
+    staged like :func:`to_device` (no host sync; a plain copy off CUDA)."""
+    src = torch.from_numpy(np.ascontiguousarray(arr))
+    if dst.device.type != "cuda":
+        dst.copy_(src.view(dst.shape))
+        return
+    slot, block = _H2D.stage(src.numel() * src.element_size())
+    host = block[:src.numel() * src.element_size()].view(src.dtype).view(dst.shape)
+    host.copy_(src.view(dst.shape))
+    dst.copy_(host, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    _H2D.copied(slot, event)
 
 
 class HostResult:
@@ -44,10 +111,12 @@ class HostResult:
         return self._event is None or self._event.query()
 
     def wait(self) -> list[torch.Tensor]:
-        """Block until the copies have landed (only on them, not on later device work)."""
+        """Block until the copies have landed (only on them, not on later device work).
+        Staged results are cloned out of the reused pinned blocks (a few small tensors)."""
         if self._event is not None:
             self._event.synchronize()
             self._event = None
+            self._tensors = [t.clone() for t in self._tensors]
         return self._tensors
 
 
@@ -57,19 +126,27 @@ class ResultCopier:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._ring = PinnedRing()
 
     def start(self, tensors: Sequence[torch.Tensor]) -> HostResult:
-        """Start copying ``tensors`` (produced on the current stream) to the host."""
+        """Start copying ``tensors`` (produced on the current stream) to the host: one
+        pinned block per call, each tensor at an aligned offset inside it."""
         if self.stream is None:
             return HostResult([t if t.device.type == "cpu" else t.cpu() for t in tensors])
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        offsets, total = [], 0
+        for t in tensors:
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // 16) * 16
+        slot, block = self._ring.stage(total)
         host = []
         with torch.cuda.stream(self.stream):
-            for t in tensors:
-                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            for t, off in zip(tensors, offsets):
+                h = block[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                 h.copy_(t, non_blocking=True)
                 t.record_stream(self.stream)  # the allocator must not reuse t before this copy ran
                 host.append(h)
             event = torch.cuda.Event()
             event.record(self.stream)
+        self._ring.copied(slot, event)
         return HostResult(host, event)
