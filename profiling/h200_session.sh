@@ -4,6 +4,7 @@
 #   bash profiling/h200_session.sh single    # 1 GPU: structured mask, spec step curve, V4.1 replay, batch-invariant cost
 #   bash profiling/h200_session.sh bench     # 1 GPU, ~9 min: fast path vs reference vs HF (mini, flash4), prefill + FP8
 #   bash profiling/h200_session.sh kernels   # 1 GPU, ~8 min: mHC launch sweep, kernel bench sections, B=64 host profile
+#   bash profiling/h200_session.sh final     # 1 GPU, ~5 min: mini fast path bench, host phases, prefill bench (FP4 experts)
 #   bash profiling/h200_session.sh phases    # 1 GPU, ~1 min: host time per engine function per mini decode step
 #   bash profiling/h200_session.sh host      # 1 GPU, ~2 min: engine host time per decode step at B=1 / 64
 #   bash profiling/h200_session.sh features  # 1 GPU, ~9 min: async timeline, batch invariance, spec curve,
@@ -52,6 +53,11 @@ write_tiny_checkpoint('/tmp/mini', seed=0, cfg=mini_like_config('mini'), dtype=t
     TAIL=40 logged host_b64 150 python3 profiling/spec_host_profile.py --model deepinfer-tiny --k 0 --batch 64 \
         --tokens 64 --out "$RES"
     pack
+    ;;
+  final)
+    logged fastpath 150 python3 profiling/fastpath_bench.py --sizes mini --budget-s 130 --out "$RES"
+    logged host_phases 100 python3 profiling/host_phases.py --size mini --batches 1,64 --tokens 128 --out "$RES"
+    TAIL=10 logged prefill 120 python3 profiling/prefill_bench.py --out "$RES" --commit "${DEEPINFER_COMMIT:-unknown}"
     ;;
   phases)
     logged host_phases 150 python3 profiling/host_phases.py --size mini --batches 1,64 --tokens 128 --out "$RES"
