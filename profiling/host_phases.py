@@ -7,7 +7,8 @@ Wraps the functions below with perf_counter accumulators (nested ones overlap: `
 contains `prepare` and `graph replay`), runs a greedy decode of ``--tokens`` tokens per
 request at each batch size after a warm-up of the same shape, and reports microseconds
 per engine step (the prefill step is amortised over ``--tokens`` steps) beside the step
-time and the GPU time of one replayed decode graph. With async scheduling the host work of
+time (all steps, and the median of the pure-decode steps from the engine's metrics) and
+the GPU time of one replayed decode graph. With async scheduling the host work of
 step N+1 overlaps the GPU's step N, so a step takes about max(host, GPU).
 """
 
@@ -105,6 +106,7 @@ def main() -> None:
         llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)  # warm-up: graphs, compiles
         TIMERS.clear()
         CALLS.clear()
+        llm.metrics.reset()
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         sync()
         t0 = time.perf_counter()
@@ -123,7 +125,10 @@ def main() -> None:
             end.record()
             sync()
             gpu_us = start.elapsed_time(end) / 20 * 1e3
-        rows[b] = {"step_us": wall / steps * 1e6, "steps": steps, "graph_gpu_us": gpu_us,
+        df = llm.metrics.steps_df()
+        decode = df[df["prefill_tokens"] == 0] if "prefill_tokens" in df else df
+        median = float(decode["step_ms"].median()) * 1e3 if len(decode) else float("nan")
+        rows[b] = {"step_us": wall / steps * 1e6, "median_decode_step_us": median, "steps": steps, "graph_gpu_us": gpu_us,
                    "us_per_step": {k: v / steps * 1e6 for k, v in TIMERS.items()},
                    "calls_per_step": {k: CALLS[k] / steps for k in TIMERS}}
     meta = {"device": torch.cuda.get_device_name() if cuda else "cpu", "size": args.size, "tokens": args.tokens,
@@ -133,7 +138,7 @@ def main() -> None:
         json.dump({"meta": meta, "batches": rows}, f, indent=1)
     labels = list(rows[batches[0]]["us_per_step"])
     print(f"{'us per engine step':34}" + "".join(f"{'B=' + str(b):>10}" for b in batches))
-    for key in ("step_us", "graph_gpu_us"):
+    for key in ("step_us", "median_decode_step_us", "graph_gpu_us"):
         print(f"{key:34}" + "".join(f"{rows[b][key]:>10.0f}" for b in batches))
     for lab in labels:
         print(f"{lab:34}" + "".join(f"{rows[b]['us_per_step'].get(lab, 0):>10.0f}" for b in batches))
