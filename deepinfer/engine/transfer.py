@@ -5,10 +5,12 @@ on the launch path may synchronise with the device:
 
 * host -> device: ``torch.tensor(values, device="cuda")`` copies from pageable memory
   with a blocking copy, i.e. a stream synchronisation: the host would wait for every
-  step already queued. :func:`to_device` / :func:`copy_to_device` stage the values in a
-  reused pinned block (:class:`PinnedRing`: a fresh pinned tensor per copy cost ~50 us
-  of host time each) and copy with ``non_blocking=True``; an event per block keeps it
-  from being rewritten before its copy ran.
+  step already queued. :func:`to_device` stages the values in pinned memory (torch's
+  caching host allocator keeps the block alive until the copy ran) and copies with
+  ``non_blocking=True``; :func:`copy_to_device` fills a persistent device buffer from a
+  numpy array through a reused pinned block (:class:`PinnedRing`, an event per block so
+  it is never rewritten before its copy ran: the fast path's step inputs, where
+  ``Tensor.pin_memory()`` per step cost ~75 us on an H200 host).
 * device -> host: :class:`ResultCopier` copies a step's sampled tokens / logprobs on its
   own CUDA stream into one reused pinned block, after the compute stream's work so far,
   and records an event. The host later waits on that event only (:meth:`HostResult.wait`,
@@ -28,22 +30,19 @@ import torch
 
 __all__ = ["to_device", "copy_to_device", "HostResult", "ResultCopier", "PinnedRing"]
 
-_NUMPY = {torch.long: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_,
-          torch.float64: np.float64}
-
 
 class PinnedRing:
-    """Reused pinned staging blocks. A fresh pinned tensor per copy (``torch.tensor(values,
-    pin_memory=True)``, ``torch.empty(..., pin_memory=True)``) costs ~50 us of host time
-    each on the lent H200 hosts (profiling/results/host_phases_mini.json: the sampler's
-    tensors and the result copy were ~360 us of a 1.6 ms batch-1 step). A block is reused
-    ``slots`` takes later, after the event of the copy that last used it (normally long
-    done; waited on otherwise, so a block is never overwritten under a pending copy)."""
+    """Reused pinned staging blocks for copies of whole arrays (the fast path's step
+    inputs, the step results): ``Tensor.pin_memory()`` / ``torch.empty(pin_memory=True)``
+    per step cost ~40-75 us of host time each on an H200 host (host_phases_mini.json:
+    ``_host_inputs`` 168 -> 93 us, the result copy 162 -> 124 us at batch 1). A block is
+    reused ``slots`` takes later, after the event of the copy that last used it (normally
+    long done; waited on otherwise, so a block is never overwritten under a pending copy)."""
 
-    def __init__(self, slots: int = 32) -> None:
+    def __init__(self, slots: int = 32, pin: bool = True) -> None:
         self._blocks: list[torch.Tensor | None] = [None] * slots
         self._events: list[torch.cuda.Event | None] = [None] * slots
-        self._next = 0
+        self._next, self._pin = 0, pin
 
     def stage(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """(slot, a pinned uint8 block of at least ``nbytes``) whose previous copy has run."""
@@ -55,7 +54,7 @@ class PinnedRing:
         block = self._blocks[i]
         if block is None or block.numel() < nbytes:
             block = self._blocks[i] = torch.empty(max(4096, 1 << (max(nbytes, 1) - 1).bit_length()),
-                                                  dtype=torch.uint8, pin_memory=True)
+                                                  dtype=torch.uint8, pin_memory=self._pin)
         return i, block
 
     def copied(self, slot: int, event: torch.cuda.Event) -> None:
@@ -67,26 +66,18 @@ _H2D = PinnedRing()
 
 
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
-    """``torch.tensor(values, dtype=dtype, device=device)`` without a host sync on CUDA:
-    staged in a reused pinned block (:class:`PinnedRing`), copied with ``non_blocking``."""
-    if device is None or torch.device(device).type != "cuda" or dtype not in _NUMPY:
-        if device is not None and torch.device(device).type == "cuda":
-            return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-        return torch.tensor(values, dtype=dtype, device=device)
-    arr = np.asarray(values, dtype=_NUMPY[dtype])
-    slot, block = _H2D.stage(arr.nbytes)
-    host = block[:arr.nbytes].view(dtype).view(arr.shape)
-    host.numpy()[...] = arr
-    out = host.to(device, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    _H2D.copied(slot, event)
-    return out
+    """``torch.tensor(values, dtype=dtype, device=device)`` without a host sync on CUDA.
+    Small lists go through torch's caching pinned allocator: staging them in a
+    :class:`PinnedRing` block measured 20-40 us slower per call on an H200 host
+    (numpy conversion, views and an event per copy; host_phases_mini.json)."""
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def copy_to_device(dst: torch.Tensor, arr: np.ndarray) -> None:
     """``dst.copy_(arr)`` for a contiguous device tensor ``dst`` of ``arr``'s dtype and size,
-    staged like :func:`to_device` (no host sync; a plain copy off CUDA)."""
+    staged in a :class:`PinnedRing` block (no host sync; a plain copy off CUDA)."""
     src = torch.from_numpy(np.ascontiguousarray(arr))
     if dst.device.type != "cuda":
         dst.copy_(src.view(dst.shape))

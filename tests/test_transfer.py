@@ -1,0 +1,44 @@
+"""PinnedRing (reused staging blocks for host <-> device copies) on the host: a block is
+handed out again only after the event of the copy that last used it, and grows when a
+larger copy needs it; copy_to_device off CUDA is a plain copy."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from deepinfer.engine.transfer import PinnedRing, copy_to_device
+
+
+class FakeEvent:
+    """Stands in for torch.cuda.Event: records whether the ring waited on it."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+def test_ring_waits_for_the_previous_copy_before_reuse() -> None:
+    ring = PinnedRing(slots=2, pin=False)
+    events = []
+    blocks = []
+    for n in (10, 20, 30, 5000):
+        slot, block = ring.stage(n)
+        assert block.numel() >= n and block.dtype == torch.uint8
+        blocks.append((slot, block))
+        events.append(FakeEvent())
+        ring.copied(slot, events[-1])
+    assert [s for s, _ in blocks] == [0, 1, 0, 1]
+    assert events[0].waited and events[1].waited  # slots 0 / 1 reused: their copies were waited on
+    assert not events[2].waited and not events[3].waited
+    assert blocks[2][1].data_ptr() == blocks[0][1].data_ptr()  # 30 bytes fit the first block
+    assert blocks[3][1].numel() >= 5000 and blocks[3][1].data_ptr() != blocks[1][1].data_ptr()  # grown
+
+
+def test_copy_to_device_on_the_host() -> None:
+    dst = torch.zeros(2, 3, dtype=torch.int32)
+    arr = np.arange(6, dtype=np.int32) * 7 - 5
+    copy_to_device(dst, arr)
+    assert dst.flatten().tolist() == arr.tolist()
