@@ -8,9 +8,11 @@ Why a kernel: the product is a pure weight stream (a `mini` head is 129,280 x 1,
 M <= 16, 1.0-1.1x cuBLAS; at M = 64 cuBLAS is faster (0.9x), so the engine keeps F.linear
 there.
 
-Numerics: float32 accumulation, rounded once to the activation dtype (what F.linear
-returns); the result may be stored as float32 holding those rounded values (the logits
-the sampler takes, without a separate cast).
+The kernel is ``batch_invariant_matmul``'s row-tile GEMM (one tile walks K in fixed
+steps) launched with few-row tiles and many column programs. Numerics: float32
+accumulation (IEEE for float32 inputs), rounded once to the activation dtype (what
+F.linear returns); the result may be stored as float32 holding those rounded values (the
+logits the sampler takes, without a separate cast).
 """
 
 from __future__ import annotations
@@ -18,40 +20,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
-from ._common import check_device, dtype_code, interpreting, mma, round_to
+from ._common import check_device, dtype_code, interpreting
+from .batch_invariant_matmul import _matmul_nt_kernel  # the same row-tile GEMM, launched with few-row tiles
 
 MAX_ROWS = 64
-
-
-@triton.jit(do_not_specialize=["M"])
-def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                   CODE: tl.constexpr, INTERP: tl.constexpr, EVEN_K: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    mmask = rm < M
-    nmask = rn < N
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(x_ptrs, mask=mmask[:, None], other=0.0)
-            b = tl.load(w_ptrs, mask=nmask[None, :], other=0.0)
-        else:
-            km = (k0 + rk) < K
-            a = tl.load(x_ptrs, mask=mmask[:, None] & km[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=nmask[None, :] & km[:, None], other=0.0)
-        acc = mma(a, b, acc, INTERP)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    y = round_to(acc, CODE, INTERP)
-    out = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
 def _config(m: int) -> dict[str, int]:
@@ -82,7 +55,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
         return y
     cfg = dict(config or _config(m))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
-    _skinny_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+    _matmul_nt_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
         CODE=dtype_code(x.dtype), INTERP=interpreting(), EVEN_K=k % bk == 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg)

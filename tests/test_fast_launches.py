@@ -36,6 +36,8 @@ def test_decode_step_launch_budget(tmp_path, monkeypatch):
     step = steps[-1]
     assert step.host_syncs == 0
     layers = len(RATIOS)
-    assert step.triton["_mix_kernel"] == step.triton["_finish_kernel"] == 2 * layers + 1  # fused mHC
+    # fused mHC: one mix launch (the row kernel at decode sizes) and one finish per call
+    assert step.triton["_mix_rows_kernel"] == step.triton["_finish_kernel"] == 2 * layers + 1
+    assert step.triton["_mix_kernel"] == 0
     assert step.triton["_compressor_decode_kernel"] == len(RATIOS) + RATIOS.count(4)  # + the indexers'
     assert step.total <= MAX_LAUNCHES, step.summary()
