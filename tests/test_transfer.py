@@ -42,3 +42,33 @@ def test_copy_to_device_on_the_host() -> None:
     arr = np.arange(6, dtype=np.int32) * 7 - 5
     copy_to_device(dst, arr)
     assert dst.flatten().tolist() == arr.tolist()
+
+
+def test_host_to_device_copies_per_step(monkeypatch) -> None:
+    """An async step stages its host data in four copies on the reference path: the batch
+    (ids, positions, the placeholder rows / slots to gather), the rows whose logits are
+    sampled, and the sampling tensors (floats; ints with the state slots the token buffer
+    scatters to). Each is a pinned allocation + a launch on a GPU (was 13 per step: one per
+    field). The fast path skips the rows copy and adds its step inputs."""
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.engine import model_runner, sampler, token_buffer, transfer
+
+    llm = LLM(max_num_seqs=4)
+    assert llm.runner.token_buffer is not None, "async scheduling is the default"
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9]]
+    llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    calls = []
+
+    def counting(values, dtype, device):
+        calls.append(len(values))
+        return transfer.to_device(values, dtype, device)
+
+    for mod in (model_runner, sampler, token_buffer):
+        monkeypatch.setattr(mod, "to_device", counting)
+    llm.metrics.reset()
+    llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    steps = llm.metrics.steps_df()
+    decode_steps = int((steps["prefill_tokens"] == 0).sum())
+    assert decode_steps >= 10
+    assert len(calls) <= 4 * len(steps), (len(calls), len(steps))

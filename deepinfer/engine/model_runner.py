@@ -76,10 +76,13 @@ class ModelRunner:
                                 req.num_prompt_tokens))
             ids.extend(req.token_ids)
             positions.extend(range(req.start_pos, req.start_pos + req.num_tokens))
-        ids_pos = to_device([ids, positions], torch.long, self.device)  # one host -> device copy
-        batch = ForwardBatch(ids_pos[0], ids_pos[1], seqs, self.replay)
+        # one host -> device copy: ids, positions and (async) the placeholder rows / slots
+        rows, slots = self.token_buffer.placeholders(so) if self.token_buffer is not None else ([], [])
+        t, p = len(ids), len(rows)
+        flat = to_device(ids + positions + rows + slots, torch.long, self.device)
+        batch = ForwardBatch(flat[:t], flat[t:2 * t], seqs, self.replay)
         if self.token_buffer is not None:
-            self.token_buffer.fill(so, batch)
+            self.token_buffer.fill(so, batch, (flat[2 * t:2 * t + p], flat[2 * t + p:]))
         return batch
 
     def execute(self, so: SchedulerOutput, grammar: StructuredOutputBatch | None = None) -> ModelRunnerOutput:
@@ -134,12 +137,14 @@ class ModelRunner:
         logits, step.logits = step.logits, None
         if grammar is not None:  # host fill overlaps the async forward on a GPU
             grammar.apply(logits, [r.req_id for r in reqs])
+        buffer = self.token_buffer
         params = SamplingTensors.from_params([r.sampling_params for r in reqs],
-                                             [r.start_pos + r.num_tokens for r in reqs], self.device)
+                                             [r.start_pos + r.num_tokens for r in reqs], self.device,
+                                             state_slots=[r.state_slot for r in reqs] if buffer is not None else None)
         with phase(SAMPLE):
             out = self.sampler.sample(logits, params)
-        if self.token_buffer is not None:
-            self.token_buffer.record(so, reqs, out.token_ids)
+        if buffer is not None:
+            buffer.record(so, reqs, out.token_ids, params.state_slots)
         tensors = [out.token_ids, out.logprobs]
         if out.top_logprobs is not None:
             tensors += list(out.top_logprobs)

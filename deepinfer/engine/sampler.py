@@ -53,6 +53,8 @@ class SamplingTensors:
         max_top_logprobs: host int, largest ``top_logprobs`` in the batch.
         all_greedy, any_top_k, any_top_p, any_min_p: host flags used to skip
             work that no row needs (skipping never changes any row's result).
+        state_slots: int64 ``[R]`` the rows' state slots when asked for (the async
+            token buffer's scatter index, carried in the same host -> device copy).
     """
 
     temperature: torch.Tensor
@@ -67,11 +69,14 @@ class SamplingTensors:
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
+    state_slots: torch.Tensor | None = None
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], positions: Sequence[int],
-                    device: torch.device | str | None = None) -> SamplingTensors:
-        """Build the batch tensors from one ``SamplingParams`` and position per row."""
+                    device: torch.device | str | None = None,
+                    state_slots: Sequence[int] | None = None) -> SamplingTensors:
+        """Build the batch tensors from one ``SamplingParams`` and position per row
+        (``state_slots``: one per row, returned as :attr:`state_slots`)."""
         if len(params) != len(positions):
             raise ValueError(f"params and positions must have equal length, got "
                              f"{len(params)} and {len(positions)}")
@@ -84,8 +89,13 @@ class SamplingTensors:
         # int64 tensor, views on the device (no host sync on CUDA: async scheduling)
         floats = to_device([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
                             [p.top_p for p in params], [p.min_p for p in params]], torch.float32, device)
-        ints = to_device([[p.top_k for p in params], [rng.seed_to_int64(p.seq_seed) for p in params],  # type: ignore[arg-type]
-                          list(positions), greedy], torch.int64, device)
+        int_rows = [[p.top_k for p in params], [rng.seed_to_int64(p.seq_seed) for p in params],  # type: ignore[arg-type]
+                    list(positions), greedy]
+        if state_slots is not None:
+            if len(state_slots) != len(params):
+                raise ValueError(f"state_slots must have one entry per row, got {len(state_slots)} for {len(params)}")
+            int_rows.append(list(state_slots))
+        ints = to_device(int_rows, torch.int64, device)
         return cls(
             temperature=floats[0], top_k=ints[0], top_p=floats[1], min_p=floats[2], seed=ints[1], position=ints[2],
             greedy=ints[3] != 0,
@@ -94,6 +104,7 @@ class SamplingTensors:
             any_top_k=any(p.top_k != -1 and not g for p, g in zip(params, greedy)),
             any_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)),
             any_min_p=any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)),
+            state_slots=ints[4] if state_slots is not None else None,
         )
 
     @property

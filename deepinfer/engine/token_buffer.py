@@ -40,9 +40,9 @@ class DeviceTokenBuffer:
         self.recorded: SchedulerOutput | None = None
         self.num_gathered = 0
 
-    def fill(self, so: SchedulerOutput, batch: ForwardBatch) -> None:
-        """Gather placeholder input ids of ``so`` from ``last`` into ``batch.input_ids``."""
-        self.filled = so
+    @staticmethod
+    def placeholders(so: SchedulerOutput) -> tuple[list[int], list[int]]:
+        """(flat input rows, state slots) of ``so``'s placeholder input ids."""
         rows: list[int] = []
         slots: list[int] = []
         offset = 0
@@ -52,21 +52,34 @@ class DeviceTokenBuffer:
                     rows.append(offset + j)
                     slots.append(r.state_slot)
             offset += r.num_tokens
-        if rows:
-            rows_t, slots_t = to_device([rows, slots], torch.long, self.device)  # one host -> device copy
+        return rows, slots
+
+    def fill(self, so: SchedulerOutput, batch: ForwardBatch,
+             staged: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Gather placeholder input ids of ``so`` from ``last`` into ``batch.input_ids``.
+        ``staged``: :meth:`placeholders` already on the device (the runner copies them with
+        the step's ids and positions: one host -> device copy fewer per step)."""
+        self.filled = so
+        if staged is None:
+            rows, slots = self.placeholders(so)
+            staged = tuple(to_device([rows, slots], torch.long, self.device)) if rows else None  # type: ignore[assignment]
+        if staged is not None and staged[0].numel():
+            rows_t, slots_t = staged
             batch.input_ids[rows_t] = self.last[slots_t]
-            self.num_gathered += len(rows)
+            self.num_gathered += int(rows_t.numel())
             if self.debug:  # a slot is read once; a second read (wrong gather) sees -1
                 self.last[slots_t] = PLACEHOLDER_TOKEN_ID
         if self.debug:
             torch._assert_async((batch.input_ids >= 0).all(), "async scheduling: unfilled placeholder input id")
 
-    def record(self, so: SchedulerOutput, sampled: Sequence[ScheduledRequest], token_ids: torch.Tensor) -> None:
-        """Store the token each of ``sampled`` (the step's sampling requests) just got."""
+    def record(self, so: SchedulerOutput, sampled: Sequence[ScheduledRequest], token_ids: torch.Tensor,
+               slots: torch.Tensor | None = None) -> None:
+        """Store the token each of ``sampled`` (the step's sampling requests) just got;
+        ``slots``: their state slots already on the device (copied with the sampling tensors)."""
         self.recorded = so
         if not sampled:
             return
         if len(sampled) != token_ids.shape[0]:
             raise ValueError(f"{token_ids.shape[0]} sampled tokens for {len(sampled)} sampling requests")
-        idx = to_device([r.state_slot for r in sampled], torch.long, self.device)
+        idx = slots if slots is not None else to_device([r.state_slot for r in sampled], torch.long, self.device)
         self.last[idx] = token_ids.to(self.device)
