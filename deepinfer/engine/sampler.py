@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deepinfer.engine import rng
@@ -85,26 +86,28 @@ class SamplingTensors:
         greedy = [p.is_greedy for p in params]
         assert all(p.seq_seed is not None for p in params)
 
-        # two host -> device copies per step (not one per field): rows of one float32 and one
-        # int64 tensor, views on the device (no host sync on CUDA: async scheduling)
-        floats = to_device([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                            [p.top_p for p in params], [p.min_p for p in params]], torch.float32, device)
+        # ONE host -> device copy per step (not one per field): the float32 fields travel as
+        # their int32 bit patterns in rows of the int64 tensor and are reinterpreted on the
+        # device (one conversion kernel), views everywhere else (no host sync on CUDA)
+        floats = np.array([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                           [p.top_p for p in params], [p.min_p for p in params]], dtype=np.float32)
         int_rows = [[p.top_k for p in params], [rng.seed_to_int64(p.seq_seed) for p in params],  # type: ignore[arg-type]
-                    list(positions), greedy]
+                    list(positions), greedy, *floats.view(np.int32).tolist()]
         if state_slots is not None:
             if len(state_slots) != len(params):
                 raise ValueError(f"state_slots must have one entry per row, got {len(state_slots)} for {len(params)}")
             int_rows.append(list(state_slots))
         ints = to_device(int_rows, torch.int64, device)
+        as_float = ints[4:7].to(torch.int32).view(torch.float32)
         return cls(
-            temperature=floats[0], top_k=ints[0], top_p=floats[1], min_p=floats[2], seed=ints[1], position=ints[2],
-            greedy=ints[3] != 0,
+            temperature=as_float[0], top_k=ints[0], top_p=as_float[1], min_p=as_float[2], seed=ints[1],
+            position=ints[2], greedy=ints[3] != 0,
             max_top_logprobs=max((p.top_logprobs for p in params), default=0),
             all_greedy=all(greedy),
             any_top_k=any(p.top_k != -1 and not g for p, g in zip(params, greedy)),
             any_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)),
             any_min_p=any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)),
-            state_slots=ints[4] if state_slots is not None else None,
+            state_slots=ints[7] if state_slots is not None else None,
         )
 
     @property
