@@ -177,7 +177,8 @@ def test_every_stop_output_validates_in_a_mixed_batch(llm: LLM, fresh_seed: int)
                 cases.append((kind, name))
                 params.append(sp(seed, structured_output={key: spec}))
     cases += [("none", "greedy"), ("none", "sampled")]
-    params += [sp(None, max_tokens=12), sp(fresh_seed, max_tokens=12)]
+    # unconstrained rows run to their length (ignore_eos: the trained default may sample EOS early)
+    params += [sp(None, max_tokens=12, ignore_eos=True), sp(fresh_seed, max_tokens=12, ignore_eos=True)]
     prompts = [f"Request {i}: answer in the required format. " + ("Context words. " * 40 if i % 7 == 0 else "")
                for i in range(len(params))]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -197,7 +198,7 @@ def test_every_stop_output_validates_in_a_mixed_batch(llm: LLM, fresh_seed: int)
             assert len(out.token_ids) == MAX_TOKENS and EOS not in out.token_ids, label
     assert stops >= 0.8 * (len(cases) - 2), f"only {stops} of {len(cases) - 2} constrained outputs completed"
     # the masks never touch unconstrained rows: greedy output equals the request run alone
-    alone = llm.generate([prompts[-2]], sp(None, max_tokens=12), use_tqdm=False)[0]
+    alone = llm.generate([prompts[-2]], sp(None, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
     assert alone.token_ids == outs[-2].token_ids
     assert llm.structured.stats.steps > 0 and not llm.structured.grammars and not llm.structured.pending
 
