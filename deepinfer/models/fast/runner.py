@@ -135,8 +135,8 @@ class FastPath:
     def _host_inputs(self, so: Any, width: int, rows: int) -> np.ndarray:
         """The flat int32 layout of :class:`StepInputs` on the host; rows past the batch repeat row 0
         (each its own group), ids are filled on the device. Built with one numpy
-        conversion per field (the per-request slice assignments cost ~40% of a 64-request
-        step's host time)."""
+        conversion per field (per-request slice assignments: 442 vs 212 us for 64 requests
+        on the CPU box)."""
         reqs = so.scheduled
         lens = [r.num_tokens for r in reqs]
         n, k = sum(lens), len(lens)
@@ -149,7 +149,7 @@ class FastPath:
         pos[:n] = np.repeat(first, lens) + offsets
         slot[:n] = np.repeat(np.fromiter((r.state_slot for r in reqs), dtype=np.int32, count=k), lens)
         for i, g in enumerate(self.groups):
-            padded = [t[:width] + [0] * (width - len(t)) if len(t) < width else t[:width]
+            padded = [t + [0] * (width - len(t)) if len(t) < width else t[:width]
                       for t in (r.block_table[g] for r in reqs)]
             tables[i, :n] = np.repeat(np.array(padded, dtype=np.int32), lens, axis=0) if n > k else padded
         pos[n:], slot[n:], tables[:, n:] = pos[0], slot[0], tables[:, :1]
