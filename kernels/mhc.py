@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, dtype_code, interpreting, next_pow2, round_to
+from ._common import check_device, dtype_code, interpreting, mma, next_pow2, round_to
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,14 @@ class MhcTuning:
     rows_split: int = 256  # the largest power of two <= this dividing D is used (>= 32, else the dot kernel)
     rows_per_program: int = 2
     rows_warps: int = 1
+    # prefill-sized bf16 steps (T >= tc_min_t): the dot kernel on tensor cores, fn split
+    # into tc_terms bf16 slices (3: fn to ~2^-24, float32's precision; 0 disables)
+    tc_min_t: int = 256
+    tc_terms: int = 3
+    tc_split: int = 1024
+    tc_block_t: int = 64
+    tc_block_k: int = 64
+    tc_warps: int = 4
 
 
 #: The shape every launch uses (profiling/mhc_tuning.py sweeps alternatives on a GPU).
@@ -87,10 +95,13 @@ def tuned(**fields):
 
 @triton.jit(do_not_specialize=["T"])
 def _mix_kernel(src_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr, ss_ptr,
-                T, D, stride_st, stride_sj, stride_ot, n_splits,
+                T, D, stride_st, stride_sj, stride_ot, n_splits, term_stride,
                 N: tl.constexpr, HAS_POST: tl.constexpr, HEAD: tl.constexpr, CODE: tl.constexpr,
                 INTERP: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT: tl.constexpr):
+                SPLIT: tl.constexpr, TERMS: tl.constexpr):
+    # TERMS = 0: fn is float32 and the dots run in IEEE float32; TERMS > 0: fn is TERMS
+    # bfloat16 slices (fn = sum of them, term_stride apart) and v is bf16-exact, so each
+    # term's dot runs on the tensor cores with exact products and float32 accumulation.
     pid_t, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
@@ -123,13 +134,25 @@ def _mix_kernel(src_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr,
             v = tl.load(src_ptr + r2 * stride_st + j * stride_sj + d, mask=m2, other=0.0).to(tl.float32)
         ss += tl.sum(v * v, axis=1)
         kc = kk[:, None]
-        w = tl.load(fn_ptr + cp[None, :] * K + kc, mask=kmask[:, None] & (cp[None, :] < N), other=0.0)
-        acc_pre = tl.dot(v, w, acc_pre, input_precision="ieee")
-        if not HEAD:
-            w = tl.load(fn_ptr + (N + cp[None, :]) * K + kc, mask=kmask[:, None] & (cp[None, :] < N), other=0.0)
-            acc_post = tl.dot(v, w, acc_post, input_precision="ieee")
-            w = tl.load(fn_ptr + (2 * N + cc[None, :]) * K + kc, mask=kmask[:, None], other=0.0)
-            acc_comb = tl.dot(v, w, acc_comb, input_precision="ieee")
+        pmask = kmask[:, None] & (cp[None, :] < N)
+        if TERMS == 0:
+            w = tl.load(fn_ptr + cp[None, :] * K + kc, mask=pmask, other=0.0)
+            acc_pre = tl.dot(v, w, acc_pre, input_precision="ieee")
+            if not HEAD:
+                w = tl.load(fn_ptr + (N + cp[None, :]) * K + kc, mask=pmask, other=0.0)
+                acc_post = tl.dot(v, w, acc_post, input_precision="ieee")
+                w = tl.load(fn_ptr + (2 * N + cc[None, :]) * K + kc, mask=kmask[:, None], other=0.0)
+                acc_comb = tl.dot(v, w, acc_comb, input_precision="ieee")
+        else:
+            v16 = v.to(tl.bfloat16)
+            for p in tl.static_range(TERMS):
+                fp = fn_ptr + p * term_stride
+                acc_pre = mma(v16, tl.load(fp + cp[None, :] * K + kc, mask=pmask, other=0.0), acc_pre, INTERP)
+                if not HEAD:
+                    w = tl.load(fp + (N + cp[None, :]) * K + kc, mask=pmask, other=0.0)
+                    acc_post = mma(v16, w, acc_post, INTERP)
+                    w = tl.load(fp + (2 * N + cc[None, :]) * K + kc, mask=kmask[:, None], other=0.0)
+                    acc_comb = mma(v16, w, acc_comb, INTERP)
     # partials: [T, n_splits, 2 * NP + N * N] (pre | post | comb), [T, n_splits]: a row's are contiguous
     W = 2 * NP + N * N
     base = part_ptr + (r2 * n_splits + pid_k) * W
@@ -276,6 +299,17 @@ def _collapse(src_ptr, stride_st, stride_sj, pre, r2, d, m2, cp, N: tl.constexpr
     return round_to(x, CODE, INTERP)
 
 
+def fn_terms(fn: torch.Tensor, terms: int) -> torch.Tensor:
+    """float32 ``fn`` [R, K] as ``terms`` bfloat16 slices [terms, R, K] summing to it: each
+    the bf16 rounding of what the previous ones leave (3 slices carry 24 bits, float32's
+    precision, so bf16-exact activations times them on tensor cores lose nothing)."""
+    parts, rest = [], fn.float()
+    for _ in range(terms):
+        parts.append(rest.to(torch.bfloat16))
+        rest = rest - parts[-1].float()
+    return torch.stack(parts)
+
+
 def _check_streams(streams: torch.Tensor) -> None:
     n = streams.shape[1]
     if streams.dim() != 3 or streams.stride(2) != 1:
@@ -305,8 +339,11 @@ def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     while rows_split > 32 and d % rows_split:
         rows_split //= 2
     rows = t <= tune.rows_max_t and d % rows_split == 0
+    terms = tune.tc_terms if (not rows and t >= tune.tc_min_t and dtype == torch.bfloat16) else 0
     if rows:
         split = rows_split
+    elif terms:
+        split = tune.tc_split
     else:
         split = tune.split if t * n * d <= tune.small_work else tune.large_split
     n_splits = triton.cdiv(n * d, split)
@@ -326,9 +363,16 @@ def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         _mix_rows_kernel[(triton.cdiv(t, tune.rows_per_program), n_splits)](
             *mix_args, ROWS=tune.rows_per_program, MIXP=next_pow2(n if head else (2 + n) * n),
             num_warps=tune.rows_warps, **mix_kw)
+    elif terms:
+        parts = fn_terms(fn, terms)
+        mix_args = mix_args[:5] + (parts,) + mix_args[6:]
+        _mix_kernel[(triton.cdiv(t, tune.tc_block_t), n_splits)](
+            *mix_args, parts.stride(0), BLOCK_T=tune.tc_block_t, BLOCK_K=min(tune.tc_block_k, split),
+            TERMS=terms, num_warps=tune.tc_warps, **mix_kw)
     else:
         _mix_kernel[(triton.cdiv(t, tune.mix_block_t), n_splits)](
-            *mix_args, BLOCK_T=tune.mix_block_t, BLOCK_K=min(64, split), num_warps=tune.mix_warps, **mix_kw)
+            *mix_args, 0, BLOCK_T=tune.mix_block_t, BLOCK_K=min(64, split), TERMS=0, num_warps=tune.mix_warps,
+            **mix_kw)
     norm_w, out_eps = (norm[0].float().contiguous(), float(norm[1])) if norm is not None else (base, 1.0)
     # a whole row in registers when it fits (one pass of loads), else 256-column tiles
     block_d = next_pow2(d) if next_pow2(d) * tune.finish_block_t <= tune.finish_one_pass else min(256, next_pow2(d))

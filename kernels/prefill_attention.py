@@ -152,7 +152,7 @@ def prefill_attention(q: torch.Tensor, positions: torch.Tensor, row_req: torch.T
                       swa_table: torch.Tensor, window: int, sink: torch.Tensor, comp_pool: torch.Tensor | None = None,
                       comp_table: torch.Tensor | None = None, ratio: int = 0, topk_idx: torch.Tensor | None = None,
                       tiles: torch.Tensor | None = None, block_t: int = 1, block_h: int = 16, block_n: int = 32,
-                      num_warps: int | None = None) -> torch.Tensor:
+                      num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
     """Prefill attention; see the module doc. q [T, H, D] (D a power of two), positions
     [T] int, row_req [T] int32 (request of each row: the row of swa_table / comp_table),
     tables [R, width] int32, topk_idx [T, k] int32 (CSA). ``tiles`` (from
@@ -183,7 +183,7 @@ def prefill_attention(q: torch.Tensor, positions: torch.Tensor, row_req: torch.T
         float(d ** -0.5), q.stride(0), q.stride(1), swa_table.stride(0), ctab.stride(0), tk.stride(0),
         out.stride(0), out.stride(1),
         HAS_COMP=has_comp, CSA=csa, TILED=tiled, CODE=dtype_code(q.dtype), INTERP=interpreting(), D=d,
-        BLOCK_T=bt, BLOCK_H=bh, BLOCK_N=block_n, num_warps=num_warps, num_stages=2, **opts)
+        BLOCK_T=bt, BLOCK_H=bh, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **opts)
     return out
 
 

@@ -92,18 +92,19 @@ def prefill_indexer_topk(q: torch.Tensor, weights: torch.Tensor, positions: torc
     out = torch.full((n_rows, top_k), -1, dtype=torch.int32, device=q.device)
     if n_rows == 0 or n_cols == 0:
         return out
-    host_tiles = tiles.cpu() if host_tiles is None else host_tiles
-    block_t = max(16, next_pow2(int(host_tiles[:, 1].max())))
+    # Python ints: indexing a host tensor per tile cost ~20 us, 2.6 ms for an 8k-token prefill
+    starts, counts = (tiles.cpu() if host_tiles is None else host_tiles).T.tolist()
+    ends = [a + n for a, n in zip(starts, counts)]
+    block_t = max(16, next_pow2(max(counts)))
     # tile chunks whose rows x n_cols fit the score buffer
     budget_rows = max(block_t, max_score_elems // n_cols)
     first = 0
-    while first < host_tiles.shape[0]:
-        row_lo = int(host_tiles[first, 0])
+    while first < len(starts):
+        row_lo = starts[first]
         last = first
-        while last + 1 < host_tiles.shape[0] and int(host_tiles[last + 1, 0] + host_tiles[last + 1, 1]) - row_lo \
-                <= budget_rows:
+        while last + 1 < len(starts) and ends[last + 1] - row_lo <= budget_rows:
             last += 1
-        row_hi = int(host_tiles[last, 0] + host_tiles[last, 1])
+        row_hi = ends[last]
         scores = torch.empty(row_hi - row_lo, n_cols, dtype=torch.float32, device=q.device)
         _prefill_index_kernel[(last + 1 - first, triton.cdiv(n_cols, block_n))](
             q, weights, positions, row_req, tiles[first:last + 1], pool, table, scores, row_lo,

@@ -1,6 +1,7 @@
 """Sweep the launch shape of the fused mHC kernels (kernels/mhc.py) on a GPU.
 
     PYTHONPATH=. python3 profiling/mhc_tuning.py [--out DIR] [--baseline build/mhc_old.py]
+    PYTHONPATH=. python3 profiling/mhc_tuning.py --large     # prefill sizes: the tensor-core mix kernel
 
 Decode steps are latency-bound: the mHC kernels run 2 x layers + 1 times per step, so a
 few microseconds per call are a large share of a small model's step. For `mini`
@@ -34,6 +35,7 @@ from deepinfer_kernels import mhc  # noqa: E402
 N, ITERS = 4, 20
 WIDTHS = {"mini": 1024, "flash": 4096}
 TOKENS = (1, 64, 256, 2048)
+LARGE_TOKENS = (512, 2048, 8192)
 
 
 def inputs(t: int, h: int, dev: str) -> tuple:
@@ -105,11 +107,45 @@ def sweep(candidates: list[dict], cases: dict, rows: list) -> dict:
     return best or {}
 
 
+def large(out_dir: str) -> None:
+    """Prefill-sized steps (T = 512 / 2048 / 8192): the tensor-core dot mix kernel's shape
+    (stage A: rows per program x warps; stage B: columns per program x K tile), against the
+    IEEE float32 dot kernel (``tc_terms=0``) on the same cases."""
+    t0 = time.time()
+    cases = {}
+    for (wname, h), t in itertools.product(WIDTHS.items(), LARGE_TOKENS):
+        a = inputs(t, h, "cuda")
+        cases[f"{wname} T={t}"] = (a, mhc.hc_post_pre_ref(*a[:7], ITERS, 1e-6, 1e-6, a[7]))
+    rows: list = []
+    sweep([{"tc_terms": 0}, {}], cases, rows)  # the IEEE kernel, the shipped default
+    stage_a = [dict(tc_block_t=bt, tc_warps=w) for bt in (32, 64, 128) for w in (4, 8)]
+    best_a = sweep(stage_a, cases, rows)
+    stage_b = [dict(best_a, tc_split=s, tc_block_k=bk) for s in (512, 1024, 2048, 4096) for bk in (32, 64, 128)]
+    best = sweep(stage_b, cases, rows)
+    res = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "commit": os.environ.get("DEEPINFER_COMMIT", "unknown"), "wall_s": round(time.time() - t0, 1),
+                    "timing": "CUDA graph replay, per call; hc_post_pre + norm, bf16, prefill-sized T"},
+           "default": dict(vars(mhc.TUNING)), "best": dict(vars(mhc.TUNING), **best), "rows": rows}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "mhc_tuning_large.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    ok = [r for r in rows if r.get("ok")]
+    best_row = min(ok, key=lambda r: r["total_us"])
+    print(f"\n{'case':16s} {'ieee us':>9s} {'default us':>11s} {'best us':>9s}")
+    for key in cases:
+        print(f"{key:16s} {rows[0]['cases'][key]['us']:9.1f} {rows[1]['cases'][key]['us']:11.1f} "
+              f"{best_row['cases'][key]['us']:9.1f}")
+    print("best:", best_row["tuning"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="profiling/results")
     ap.add_argument("--baseline", default=None, help="path of an older kernels/mhc.py to time alongside")
+    ap.add_argument("--large", action="store_true", help="sweep the prefill-sized (tensor-core) mix kernel")
     args = ap.parse_args()
+    if args.large:
+        return large(args.out)
     dev = "cuda"
     t0 = time.time()
     cases = {}
@@ -128,7 +164,7 @@ def main() -> None:
             base_row[key] = {"us": round(time_us(old, a), 2), "rel_err": max_err(run_case(old, a), ref)}
         print("baseline", {k: v["us"] for k, v in base_row.items()}, flush=True)
     sweep([{}], cases, rows)  # the shipped default first
-    dot_only = dict(rows_max_t=0)
+    dot_only = dict(rows_max_t=0, tc_min_t=1 << 30)  # the IEEE dot kernel at every T of this sweep
     stage1 = [dict(dot_only, split=s, large_split=s, mix_warps=w) for s in (64, 128, 256, 512) for w in (2, 4)]
     b1 = sweep(stage1, cases, rows)
     # the row mix kernel for decode-sized steps: columns and tokens per program, warps

@@ -107,20 +107,26 @@ class ModelRunner:
             if (batch.decode is None and self.fast_prefill is not None and self.replay is None
                     and not batch_invariant.enabled()):
                 prefill = self.fast_prefill.prepare(batch)  # prefill / mixed steps
+        seqs = batch.seqs
+        last = [seqs[i].offset + seqs[i].length - 1 for i in step.picks]  # the rows that sample
         with phase(MODEL):
             fast_logits = fast.run(so, batch) if batch.decode is not None else None  # every row
-            streams = None
+            picked = None  # final streams of the rows that sample
             if fast_logits is None:
-                streams = self.model(batch, self.cache) if prefill is None else self.fast_prefill.forward(batch, prefill)
+                rows = (to_device(last, torch.long, self.device) if last
+                        else torch.empty(0, dtype=torch.long, device=self.device))
+                if prefill is not None:  # the last hc_post only for those rows
+                    picked = self.fast_prefill.forward(batch, prefill, rows)
+                else:
+                    picked = self.model(batch, self.cache)[rows]
         if step.picks:
-            seqs = batch.seqs
-            last = [seqs[i].offset + seqs[i].length - 1 for i in step.picks]
             with phase(LOGITS):
-                if fast_logits is not None and last == list(range(fast_logits.shape[0])):
+                if fast_logits is None:
+                    step.logits = self.model.compute_logits(picked)
+                elif last == list(range(fast_logits.shape[0])):
                     step.logits = fast_logits  # a plain decode step: every row samples, in order
                 else:
-                    rows = to_device(last, torch.long, self.device)
-                    step.logits = self.model.compute_logits(streams[rows]) if fast_logits is None else fast_logits[rows]
+                    step.logits = fast_logits[to_device(last, torch.long, self.device)]
         return step
 
     @torch.no_grad()

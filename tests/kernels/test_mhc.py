@@ -11,8 +11,8 @@ import torch  # noqa: E402
 
 from kernel_testutil import DEVICE, assert_close, gen  # noqa: E402
 
-from deepinfer_kernels.mhc import (hc_head, hc_head_ref, hc_post_pre, hc_post_pre_ref, hc_pre,  # noqa: E402
-                                   hc_pre_ref, tuned)
+from deepinfer_kernels.mhc import (fn_terms, hc_head, hc_head_ref, hc_post_pre, hc_post_pre_ref,  # noqa: E402
+                                   hc_pre, hc_pre_ref, tuned)
 
 N, ITERS, HC_EPS, EPS = 4, 20, 1e-6, 1e-6
 
@@ -133,6 +133,48 @@ def test_hc_post_pre_launch_shapes(fresh_seed: int, split: int, block_s: int, mi
         assert_close(a, b, dt)
     for a, b in zip(alone, got):  # a row's numbers do not depend on the batch around it
         assert torch.equal(a, b[5:6])
+
+
+def test_fn_terms_carry_float32(fresh_seed: int) -> None:
+    """The tensor-core mix's three bf16 slices of fn add back to fn to float32 precision
+    (one slice alone is bf16's 3 digits: the reason for three)."""
+    fn, _, _ = _params(gen(fresh_seed), 96)
+    parts = fn_terms(fn, 3)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (3, *fn.shape)
+    assert (parts.float().sum(0) - fn).abs().max() <= 2 ** -23 * fn.abs().max()
+    assert (parts[0].float() - fn).abs().max() > 2 ** -12 * fn.abs().max()
+
+
+@pytest.mark.parametrize("op,split,block_t", [("pre", 64, 16), ("post_pre", 64, 16), ("post_pre", 256, 32),
+                                              ("head", 256, 16)])
+def test_tensor_core_mix(fresh_seed: int, op: str, split: int, block_t: int) -> None:
+    """Prefill-sized bf16 steps take the dot kernel on tensor cores (fn as three bf16
+    slices): same numbers as the reference as closely as the IEEE float32 dot kernel."""
+    g = gen(fresh_seed)
+    t, d, iters = 20, 96, 3  # K = 384: 6 / 2 splits, row tiles ending mid-block
+    streams = _streams(g, t, d, torch.bfloat16)
+    post, comb, _ = hc_pre_ref(streams, *_params(g, d), ITERS, HC_EPS, EPS)
+    out = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    fn, base, scale = _params(g, d, head=op == "head")
+    norm = _norm(g, d)
+    if op == "pre":
+        args, run, ref = (streams, fn, base, scale, iters, HC_EPS, EPS, norm), hc_pre, hc_pre_ref
+    elif op == "post_pre":
+        args = (out, streams, post, comb, fn, base, scale, iters, HC_EPS, EPS, norm)
+        run, ref = hc_post_pre, hc_post_pre_ref
+    else:
+        args, run, ref = (streams, fn, base, scale, HC_EPS, EPS, norm, (out, post, comb)), hc_head, hc_head_ref
+    want = ref(*args)
+    with tuned(rows_max_t=0, tc_min_t=1, tc_terms=3, tc_split=split, tc_block_t=block_t, tc_block_k=32):
+        got = run(*args)
+    with tuned(rows_max_t=0, tc_min_t=t + 1):  # the IEEE float32 dot kernel on the same inputs
+        ieee = run(*args)
+    got, ieee, want = [x if isinstance(x, tuple) else (x,) for x in (got, ieee, want)]
+    for a, b, c in zip(got, ieee, want):
+        dt = torch.float32 if a.dtype == torch.float32 else torch.bfloat16
+        assert_close(a, c, dt)
+        if dt == torch.float32:  # no less accurate than the float32 kernel, within float32 noise
+            assert (a - c).abs().max() <= 2 * (b - c).abs().max() + 1e-5
 
 
 @pytest.mark.parametrize("rows_split,per_program,one_pass", [(32, 1, True), (32, 3, False), (32, 8, True)])
