@@ -73,9 +73,10 @@ class MhcTuning:
     tc_min_t: int = 256
     tc_terms: int = 3
     tc_split: int = 1024
-    tc_block_t: int = 64
-    tc_block_k: int = 64
+    tc_block_t: int = 32
+    tc_block_k: int = 32
     tc_warps: int = 4
+    tc_stages: int = 2
 
 
 #: The shape every launch uses (profiling/mhc_tuning.py sweeps alternatives on a GPU).
@@ -98,10 +99,14 @@ def _mix_kernel(src_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr,
                 T, D, stride_st, stride_sj, stride_ot, n_splits, term_stride,
                 N: tl.constexpr, HAS_POST: tl.constexpr, HEAD: tl.constexpr, CODE: tl.constexpr,
                 INTERP: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT: tl.constexpr, TERMS: tl.constexpr):
+                SPLIT: tl.constexpr, TERMS: tl.constexpr, ALIGNED: tl.constexpr):
     # TERMS = 0: fn is float32 and the dots run in IEEE float32; TERMS > 0: fn is TERMS
     # bfloat16 slices (fn = sum of them, term_stride apart) and v is bf16-exact, so each
     # term's dot runs on the tensor cores with exact products and float32 accumulation.
+    # ALIGNED (SPLIT divides D): a program's columns lie in one stream, so the stream index
+    # is a scalar and the columns are contiguous and aligned: vector loads. Otherwise every
+    # column's (stream, offset) is computed and the loads are element-wise (~20x slower at
+    # prefill sizes: 6.8 ms per call at 8k tokens x V4-Flash widths on an H200).
     pid_t, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
@@ -113,12 +118,24 @@ def _mix_kernel(src_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr,
     acc_post = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
     acc_comb = tl.zeros([BLOCK_T, N * N], dtype=tl.float32)
     ss = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for k0 in range(pid_k * SPLIT, tl.minimum(pid_k * SPLIT + SPLIT, K), BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        kmask = kk < K
-        m2 = rmask[:, None] & kmask[None, :]
-        j = (kk // D)[None, :]
-        d = (kk % D)[None, :]
+    k_lo = pid_k * SPLIT
+    for it in range(0, SPLIT // BLOCK_K):
+        kk = k_lo + it * BLOCK_K + tl.arange(0, BLOCK_K)
+        if ALIGNED:
+            kk = tl.max_contiguous(tl.multiple_of(kk, BLOCK_K), BLOCK_K)
+            m2 = rmask[:, None]
+            pmask = (cp < N)[None, :]
+            cmask = (cc >= 0)[None, :]
+            j = k_lo // D
+            d = tl.max_contiguous(tl.multiple_of(k_lo % D + it * BLOCK_K + tl.arange(0, BLOCK_K), BLOCK_K),
+                                  BLOCK_K)[None, :]
+        else:
+            kmask = kk < K
+            m2 = rmask[:, None] & kmask[None, :]
+            pmask = kmask[:, None] & (cp[None, :] < N)
+            cmask = kmask[:, None]
+            j = (kk // D)[None, :]
+            d = (kk % D)[None, :]
         if HAS_POST:  # hc_post of the previous sublayer, for this slice of the new streams
             o = tl.load(out_ptr + r2 * stride_ot + d, mask=m2, other=0.0).to(tl.float32)
             p = round_to(tl.load(post_ptr + r2 * N + j, mask=m2, other=0.0), CODE, INTERP)
@@ -134,14 +151,13 @@ def _mix_kernel(src_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr,
             v = tl.load(src_ptr + r2 * stride_st + j * stride_sj + d, mask=m2, other=0.0).to(tl.float32)
         ss += tl.sum(v * v, axis=1)
         kc = kk[:, None]
-        pmask = kmask[:, None] & (cp[None, :] < N)
         if TERMS == 0:
             w = tl.load(fn_ptr + cp[None, :] * K + kc, mask=pmask, other=0.0)
             acc_pre = tl.dot(v, w, acc_pre, input_precision="ieee")
             if not HEAD:
                 w = tl.load(fn_ptr + (N + cp[None, :]) * K + kc, mask=pmask, other=0.0)
                 acc_post = tl.dot(v, w, acc_post, input_precision="ieee")
-                w = tl.load(fn_ptr + (2 * N + cc[None, :]) * K + kc, mask=kmask[:, None], other=0.0)
+                w = tl.load(fn_ptr + (2 * N + cc[None, :]) * K + kc, mask=cmask, other=0.0)
                 acc_comb = tl.dot(v, w, acc_comb, input_precision="ieee")
         else:
             v16 = v.to(tl.bfloat16)
@@ -151,7 +167,7 @@ def _mix_kernel(src_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr,
                 if not HEAD:
                     w = tl.load(fp + (N + cp[None, :]) * K + kc, mask=pmask, other=0.0)
                     acc_post = mma(v16, w, acc_post, INTERP)
-                    w = tl.load(fp + (2 * N + cc[None, :]) * K + kc, mask=kmask[:, None], other=0.0)
+                    w = tl.load(fp + (2 * N + cc[None, :]) * K + kc, mask=cmask, other=0.0)
                     acc_comb = mma(v16, w, acc_comb, INTERP)
     # partials: [T, n_splits, 2 * NP + N * N] (pre | post | comb), [T, n_splits]: a row's are contiguous
     W = 2 * NP + N * N
@@ -368,11 +384,11 @@ def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         mix_args = mix_args[:5] + (parts,) + mix_args[6:]
         _mix_kernel[(triton.cdiv(t, tune.tc_block_t), n_splits)](
             *mix_args, parts.stride(0), BLOCK_T=tune.tc_block_t, BLOCK_K=min(tune.tc_block_k, split),
-            TERMS=terms, num_warps=tune.tc_warps, **mix_kw)
+            TERMS=terms, ALIGNED=d % split == 0, num_warps=tune.tc_warps, num_stages=tune.tc_stages, **mix_kw)
     else:
         _mix_kernel[(triton.cdiv(t, tune.mix_block_t), n_splits)](
-            *mix_args, 0, BLOCK_T=tune.mix_block_t, BLOCK_K=min(64, split), TERMS=0, num_warps=tune.mix_warps,
-            **mix_kw)
+            *mix_args, 0, BLOCK_T=tune.mix_block_t, BLOCK_K=min(64, split), TERMS=0, ALIGNED=d % split == 0,
+            num_warps=tune.mix_warps, **mix_kw)
     norm_w, out_eps = (norm[0].float().contiguous(), float(norm[1])) if norm is not None else (base, 1.0)
     # a whole row in registers when it fits (one pass of loads), else 256-column tiles
     block_d = next_pow2(d) if next_pow2(d) * tune.finish_block_t <= tune.finish_one_pass else min(256, next_pow2(d))

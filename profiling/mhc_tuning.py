@@ -118,9 +118,9 @@ def large(out_dir: str) -> None:
         cases[f"{wname} T={t}"] = (a, mhc.hc_post_pre_ref(*a[:7], ITERS, 1e-6, 1e-6, a[7]))
     rows: list = []
     sweep([{"tc_terms": 0}, {}], cases, rows)  # the IEEE kernel, the shipped default
-    stage_a = [dict(tc_block_t=bt, tc_warps=w) for bt in (32, 64, 128) for w in (4, 8)]
+    stage_a = [dict(tc_block_t=bt, tc_warps=w, tc_block_k=bk) for bt in (16, 32, 64) for w in (4, 8) for bk in (32, 64)]
     best_a = sweep(stage_a, cases, rows)
-    stage_b = [dict(best_a, tc_split=s, tc_block_k=bk) for s in (512, 1024, 2048, 4096) for bk in (32, 64, 128)]
+    stage_b = [dict(best_a, tc_split=s, tc_stages=st) for s in (256, 512, 1024, 2048) for st in (1, 2, 3)]
     best = sweep(stage_b, cases, rows)
     res = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "commit": os.environ.get("DEEPINFER_COMMIT", "unknown"), "wall_s": round(time.time() - t0, 1),
@@ -131,10 +131,15 @@ def large(out_dir: str) -> None:
         json.dump(res, f, indent=1)
     ok = [r for r in rows if r.get("ok")]
     best_row = min(ok, key=lambda r: r["total_us"])
-    print(f"\n{'case':16s} {'ieee us':>9s} {'default us':>11s} {'best us':>9s}")
-    for key in cases:
-        print(f"{key:16s} {rows[0]['cases'][key]['us']:9.1f} {rows[1]['cases'][key]['us']:11.1f} "
-              f"{best_row['cases'][key]['us']:9.1f}")
+
+    def us(row: dict, key: str) -> float:
+        return row.get("cases", {}).get(key, {}).get("us", float("nan"))
+
+    print(f"\n{'case':16s} {'ieee us':>9s} {'default us':>11s} {'best us':>9s} {'GB/s':>6s}")
+    for key in cases:  # bytes: read streams (+ out), write the new streams, bf16
+        t, h = int(key.split("T=")[1]), WIDTHS[key.split()[0]]
+        gb_s = (2 * N + 1) * t * h * 2 / (us(best_row, key) * 1e-6) / 1e9
+        print(f"{key:16s} {us(rows[0], key):9.1f} {us(rows[1], key):11.1f} {us(best_row, key):9.1f} {gb_s:6.0f}")
     print("best:", best_row["tuning"])
 
 

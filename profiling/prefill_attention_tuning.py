@@ -20,8 +20,10 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+import kernel_bench  # noqa: E402,F401  (makes kernels/ importable as deepinfer_kernels)
 import torch  # noqa: E402
 
 from deepinfer_kernels.prefill_attention import prefill_attention, query_tiles  # noqa: E402
