@@ -6,7 +6,7 @@ request, one step) on a random bf16 model built on the GPU, profiled.
 
 Reports the step's wall time, GPU busy time and launches, the GPU time per model part
 (``record_function`` ranges around each layer's attention, MoE and mHC calls: the kernels
-launched inside each range are charged to it), the host time before the first kernel
+launched inside each range are charged to it; ``attn.*`` ranges nest inside ``attention``), the host time before the first kernel
 (scheduling, input build, prefill metadata) and the top kernels, with the roofline of
 profiling/fastpath_roofline.py. Writes ``prefill_profile_<size>_<tokens>.json`` and a
 chrome trace (open in Perfetto) under ``--out``.
@@ -94,7 +94,9 @@ def profile_prefill(llm, costs: ModelCosts, tokens: int, out_dir: str, name: str
     trace = os.path.join(out_dir, f"prefill_profile_{name}_{tokens}_trace.json")
     prof.export_chrome_trace(trace)
     events = prof.events()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    # GPU-side copies of the record_function / NVTX ranges are CUDA events too: not kernels
+    ranges = {e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU}
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in ranges]
     by_kernel: dict = defaultdict(lambda: [0, 0.0])
     for e in kernels:
         by_kernel[e.name][0] += 1

@@ -55,10 +55,12 @@ def _topk(g: torch.Generator, positions: torch.Tensor, ratio: int, k: int) -> to
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("kind,block_t", [("swa", 1), ("swa", 4), ("hca", 2), ("csa", 1)])
-def test_prefill_attention_matches_reference(fresh_seed, dtype, kind, block_t):
+# heads 40 -> 64-head programs with masked heads (the launch V4-Flash's 64 heads take)
+@pytest.mark.parametrize("kind,block_t,heads", [("swa", 1, 5), ("swa", 4, 5), ("hca", 2, 5), ("csa", 1, 5),
+                                                ("hca", 1, 40), ("csa", 1, 40)])
+def test_prefill_attention_matches_reference(fresh_seed, dtype, kind, block_t, heads):
     g = torch.Generator().manual_seed(fresh_seed)
-    heads, d, window = 5, 32, 8
+    d, window = 32, 8
     ratio = {"swa": 0, "hca": 8, "csa": 4}[kind]
     swa_pool, swa_table, comp_pool, comp_table, positions, row_req = _batch(g, dtype, d, ratio or 4)
     q = torch.randn(len(positions), heads, d, generator=g).to(dtype)
@@ -70,7 +72,7 @@ def test_prefill_attention_matches_reference(fresh_seed, dtype, kind, block_t):
     dev = lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) else t  # noqa: E731
     out = prefill_attention(dev(q), dev(positions), dev(row_req), dev(swa_pool), dev(swa_table), window, dev(sink),
                             **{k: dev(v) for k, v in comp.items()}, tiles=dev(tiles), block_t=block_t,
-                            block_n=8).cpu()
+                            block_h=64 if heads > 16 else 16, block_n=8).cpu()
     ref = prefill_attention_ref(q, positions, row_req, swa_pool, swa_table, window, sink, **comp)
     assert out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1.5e-2  # bf16: the kernel rounds unnormalised probabilities

@@ -18,7 +18,12 @@ from .fused_weights import attention_inputs
 from .prefill_compressor import compress_prefill
 from .prefill_meta import PrefillMeta
 
-#: Rows x heads of one attention program (window / HCA layers tile rows to reach it).
+#: Heads of one attention program at most, and rows x heads that window / HCA layers tile
+#: rows up to. At V4-Flash widths (64 heads x 512) one 64-head program per row with 64-key
+#: blocks took an 8k prefill's HCA layer 3.11 -> 1.72 ms and its CSA layer 9.77 -> 4.40 ms
+#: on an H200 against 32-head programs with 32-key blocks
+#: (profiling/prefill_attention_tuning.py, profiling/results/prefill_attention_tuning_h200.json).
+ATTN_HEADS = 64
 ATTN_ROWS = 32
 #: Query rows of one indexer program.
 INDEX_TILE = 64
@@ -40,8 +45,9 @@ def attention_prefill(attn: torch.nn.Module, x: torch.Tensor, meta: PrefillMeta,
     proj, q_side, q = attention_inputs(attn, x, ops, pos, inv, swa, meta.row_tables(GROUP_SWA))
     kv_store, index_store = attn._stores(cache)
     extra = {}
-    block_h = max(16, min(ATTN_ROWS, 1 << (attn.n_heads - 1).bit_length()))
+    block_h = max(16, min(ATTN_HEADS, 1 << (attn.n_heads - 1).bit_length()))
     block_t = max(1, ATTN_ROWS // block_h)
+    block_n = 64 if block_h >= 64 else 32
     if comp is not None:
         compress_prefill(comp, proj[2], proj[3], pos, meta.plan(comp, kv_store), kv_store, rotary_compress, bs)
         extra = dict(comp_pool=kv_store.entries, comp_table=meta.tables32[kv_store.group], ratio=attn.ratio)
@@ -56,6 +62,6 @@ def attention_prefill(attn: torch.nn.Module, x: torch.Tensor, meta: PrefillMeta,
             block_t = 1
     o = ops.prefill_attention(q, pos, meta.row_req, swa, meta.tables32[GROUP_SWA], attn.window, attn.attn_sink,
                               **extra, tiles=meta.tiles(block_t) if block_t > 1 else None, block_t=block_t,
-                              block_h=block_h)
+                              block_h=block_h, block_n=block_n)
     o = ops.norm_rope(o, pos, inv, "none", inverse=True, out_dtype=x.dtype)
     return attn.wo_b(attn.wo_a(o.view(n, cfg.o_groups, -1)))
