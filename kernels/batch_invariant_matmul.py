@@ -28,13 +28,18 @@ __all__ = ["matmul_nt", "matmul_nt_ref", "linear", "tile_config"]
 @triton.jit(do_not_specialize=["M", "N"])
 def _matmul_nt_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
                       CODE: tl.constexpr, INTERP: tl.constexpr, EVEN_K: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_N: tl.constexpr = 0, stride_ag=0):
+    # GROUP_N > 0 (a multiple of BLOCK_N): block-diagonal b, output columns
+    # [g * GROUP_N, (g + 1) * GROUP_N) read a's K columns at offset g * stride_ag
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_ok, n_ok = rm < M, rn < N
     a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
+    if GROUP_N > 0:
+        a_ptrs += ((pid_n * BLOCK_N) // GROUP_N).to(tl.int64) * stride_ag
     b_ptrs = b_ptr + rn[None, :].to(tl.int64) * stride_bn + rk[:, None]  # [BLOCK_K, BLOCK_N] view of b^T
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

@@ -70,7 +70,7 @@ def kernel_ops(kind: str) -> SimpleNamespace:
     sfx = "" if kind == "triton" else "_ref"
     mods = {"decode_attention": da, "indexer_topk": it, "router": rt, "fused_moe": fm, "hc_pre": mhc,
             "hc_post_pre": mhc, "hc_head": mhc, "compressor_decode": cd, "norm_rope": nr, "rms_norm": rn,
-            "skinny_linear": sg}
+            "skinny_linear": sg, "skinny_grouped_linear": sg}
     return SimpleNamespace(kind=kind, **{name: getattr(mod, name + sfx) for name, mod in mods.items()})
 
 
@@ -148,7 +148,22 @@ def attention_decode(attn: torch.nn.Module, x: torch.Tensor, ctx: Any) -> torch.
     o = ops.decode_attention(q, pos, swa, meta.tables32[GROUP_SWA], attn.window, attn.attn_sink,
                              comp_pool, comp_table, attn.ratio if comp_pool is not None else 0, topk,
                              max_keys=max_keys, rope_inv_freq=inv)
-    return attn.wo_b(attn.wo_a(o.view(n, cfg.o_groups, -1)))
+    return attn.wo_b(grouped_out(attn.wo_a, o.view(n, cfg.o_groups, -1), ops))
+
+
+#: Decode steps with at most this many rows run the attention's dense ``wo_a`` on the
+#: grouped skinny GEMM (kernels/skinny_gemm.py) instead of cuBLAS's batched GEMM.
+SKINNY_GROUPED_MAX_ROWS = 16
+
+
+def grouped_out(wo_a: torch.nn.Module, x: torch.Tensor, ops: Any) -> torch.Tensor:
+    """``wo_a(x)`` for x [T, groups, in]: a dense weight of x's dtype and a small step take
+    one grouped skinny GEMM launch, anything else the module (cuBLAS bmm, FP8 GEMM)."""
+    w = wo_a._parameters.get("weight")
+    if (w is not None and wo_a.quantized is None and x.shape[0] <= SKINNY_GROUPED_MAX_ROWS and w.dtype == x.dtype
+            and (w.shape[0] // wo_a.groups) % 16 == 0):
+        return ops.skinny_grouped_linear(x, w)
+    return wo_a(x)
 
 
 __all__ = ["DecodeMeta", "GROUP_CSA", "GROUP_HCA", "attention_decode", "kernel_ops"]
