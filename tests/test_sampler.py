@@ -204,3 +204,29 @@ def test_sampling_tensors_from_params() -> None:
         SamplingTensors.from_params(params, [1, -1], "cpu")
     with pytest.raises(ValueError, match="logits"):
         Sampler().sample(torch.zeros(3, 4), st)
+
+
+def test_fused_row_reduce_matches_log_softmax(monkeypatch) -> None:
+    """The fused argmax / log-sum-exp kernel (interpreted) gives the torch path's tokens and
+    log-probs on a mixed greedy / random batch, and a row's result alone equals its result
+    in the batch; with top log-probs asked for, the torch path runs."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    logits = torch.randn(5, 3000, generator=g) * 3
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seq_seed=3, top_p=0.9),
+              SamplingParams(temperature=0), SamplingParams(temperature=1.2, seq_seed=5, top_k=40),
+              SamplingParams(temperature=0)]
+    t = SamplingTensors.from_params(params, [7, 8, 9, 10, 11], "cpu")
+    fused, plain = Sampler(fused_reduce=True), Sampler(fused_reduce=False)
+    a, b = fused.sample(logits, t), plain.sample(logits, t)
+    assert torch.equal(a.token_ids, b.token_ids)
+    torch.testing.assert_close(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
+    greedy = SamplingTensors.from_params([params[0]] * 2, [7, 9], "cpu")
+    c, d = fused.sample(logits[[0, 2]], greedy), plain.sample(logits[[0, 2]], greedy)
+    assert torch.equal(c.token_ids, d.token_ids) and torch.equal(c.token_ids, a.token_ids[[0, 2]])
+    torch.testing.assert_close(c.logprobs, d.logprobs, rtol=1e-5, atol=1e-5)
+    alone = fused.sample(logits[2:3], SamplingTensors.from_params([params[2]], [9], "cpu"))
+    assert torch.equal(alone.token_ids, c.token_ids[1:]) and torch.equal(alone.logprobs, c.logprobs[1:])
+    top = SamplingTensors.from_params([SamplingParams(temperature=0, top_logprobs=3)], [7], "cpu")
+    e = fused.sample(logits[:1], top)
+    assert e.top_logprobs is not None and torch.equal(e.token_ids, a.token_ids[:1])

@@ -136,7 +136,42 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Stateless batched sampler; see the module docstring for the pipeline."""
+    """Stateless batched sampler; see the module docstring for the pipeline.
+
+    ``fused_reduce``: compute each row's argmax and log-sum-exp with one fused kernel
+    (``deepinfer_kernels.argmax_lse``) instead of materialising ``log_softmax`` over the
+    vocabulary, when no row asks for top log-probs. ``None`` (default): on CUDA logits
+    outside batch-invariant mode, when the kernels import. The kernel's reduction is per
+    row with a fixed split, so outputs stay batch-invariant; its log-probs differ from
+    ``log_softmax``'s by float32 rounding.
+    """
+
+    def __init__(self, fused_reduce: bool | None = None) -> None:
+        self.fused_reduce = fused_reduce
+        self._kernel = None
+
+    def _row_reduce(self, raw: torch.Tensor):
+        """The fused argmax / log-sum-exp function when this step may use it, else None."""
+        use = self.fused_reduce
+        if use is None:
+            from deepinfer import batch_invariant
+
+            use = raw.is_cuda and not batch_invariant.enabled()
+        if not use:
+            return None
+        if self._kernel is None:
+            try:
+                from deepinfer.models.fast.decode import _ensure_kernels_importable
+
+                _ensure_kernels_importable()
+                from deepinfer_kernels.argmax_lse import argmax_logsumexp
+            except Exception:  # no triton: the torch reductions
+                if self.fused_reduce:
+                    raise
+                self.fused_reduce = False
+                return None
+            self._kernel = argmax_logsumexp
+        return self._kernel
 
     def process_logits(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         """Temperature-scaled float32 logits with filtered tokens set to ``-inf``.
@@ -172,8 +207,13 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != params.num_rows:
             raise ValueError(f"logits must be [R={params.num_rows}, V], got {tuple(logits.shape)}")
         raw = logits.float()
-        raw_logprobs = torch.log_softmax(raw, dim=-1)
-        tokens = raw.argmax(dim=-1)
+        k = min(params.max_top_logprobs, raw.shape[1])
+        reduce = self._row_reduce(raw) if k == 0 else None
+        if reduce is not None:  # argmax + log-sum-exp in one pass, no [R, V] log-probs
+            tokens, lse, greedy_lp = reduce(raw.contiguous())
+        else:
+            raw_logprobs = torch.log_softmax(raw, dim=-1)
+            tokens = raw.argmax(dim=-1)
         if not params.all_greedy:
             z = self.process_logits(raw, params)
             u = rng.uniform(params.seed, params.position, rng.SAMPLE, raw.shape[1])
@@ -181,9 +221,13 @@ class Sampler:
             # E = inf, i.e. a score of -inf (never chosen), never NaN.
             sampled = (z - torch.log(-torch.log(u))).argmax(dim=-1)
             tokens = torch.where(params.greedy, tokens, sampled)
-        logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        if reduce is None:
+            logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        elif params.all_greedy:
+            logprobs = greedy_lp
+        else:
+            logprobs = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
         top = None
-        k = min(params.max_top_logprobs, raw.shape[1])
         if k > 0:
             values, ids = torch.topk(raw_logprobs, k, dim=-1, largest=True, sorted=True)
             top = (ids, values)
