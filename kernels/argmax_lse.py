@@ -26,7 +26,7 @@ SPLIT = 2048
 
 
 @triton.jit(do_not_specialize=["V", "n_splits"])
-def _partial_kernel(x_ptr, stride_r, V, pmax_ptr, psum_ptr, pidx_ptr, n_splits,
+def _argmax_partial_kernel(x_ptr, stride_r, V, pmax_ptr, psum_ptr, pidx_ptr, n_splits,
                     SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     row, sp = tl.program_id(0), tl.program_id(1)
     base = x_ptr + row.to(tl.int64) * stride_r
@@ -50,7 +50,8 @@ def _partial_kernel(x_ptr, stride_r, V, pmax_ptr, psum_ptr, pidx_ptr, n_splits,
 
 
 @triton.jit
-def _finish_kernel(pmax_ptr, psum_ptr, pidx_ptr, tok_ptr, lse_ptr, lp_ptr, n_splits, BLOCK_S: tl.constexpr):
+def _argmax_finish_kernel(pmax_ptr, psum_ptr, pidx_ptr, tok_ptr, lse_ptr, lp_ptr, packed_ptr, n_splits,
+                   BLOCK_S: tl.constexpr, PACKED: tl.constexpr):
     row = tl.program_id(0)
     sp = tl.arange(0, BLOCK_S)
     live = sp < n_splits
@@ -65,12 +66,18 @@ def _finish_kernel(pmax_ptr, psum_ptr, pidx_ptr, tok_ptr, lse_ptr, lp_ptr, n_spl
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(lse_ptr + row, lse)
     tl.store(lp_ptr + row, m - lse)
+    if PACKED:  # [R, 2] int64: the token, and its log-prob's float32 bits (one copy to the host)
+        tl.store(packed_ptr + 2 * row, tok.to(tl.int64))
+        tl.store(packed_ptr + 2 * row + 1, (m - lse).to(tl.int32, bitcast=True).to(tl.int64))
 
 
-def argmax_logsumexp(logits: torch.Tensor, split: int = SPLIT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def argmax_logsumexp(logits: torch.Tensor, split: int = SPLIT, packed: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(argmax int64 [R], logsumexp float32 [R], log-prob of the argmax float32 [R]) of
     float32 ``logits`` [R, V] (contiguous rows). ``split``: columns per partial program
-    (a power of two; tests shrink it to cover several partials on tiny rows)."""
+    (a power of two; tests shrink it to cover several partials on tiny rows). ``packed``:
+    an int64 [R, 2] tensor that also receives (argmax, the log-prob's float32 bits): the
+    layout of ``deepinfer.engine.sampler.pack_greedy``."""
     check_device(logits)
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError(f"argmax_logsumexp: logits must be float32 [R, V] with contiguous rows, got "
@@ -87,15 +94,24 @@ def argmax_logsumexp(logits: torch.Tensor, split: int = SPLIT) -> tuple[torch.Te
     n_splits = triton.cdiv(v, split)
     pmax = torch.empty(r, n_splits, dtype=torch.float32, device=dev)
     psum, pidx = torch.empty_like(pmax), torch.empty(r, n_splits, dtype=torch.int32, device=dev)
-    _partial_kernel[(r, n_splits)](logits, logits.stride(0), v, pmax, psum, pidx, n_splits,
+    _argmax_partial_kernel[(r, n_splits)](logits, logits.stride(0), v, pmax, psum, pidx, n_splits,
                                    SPLIT=split, BLOCK=min(split, 1024), num_warps=4)
-    _finish_kernel[(r,)](pmax, psum, pidx, tok, lse, lp, n_splits, BLOCK_S=max(16, next_pow2(n_splits)),
-                         num_warps=1)
+    if packed is not None and (packed.shape != (r, 2) or packed.dtype != torch.int64 or not packed.is_contiguous()):
+        raise ValueError(f"argmax_logsumexp: packed must be a contiguous int64 [{r}, 2] tensor")
+    _argmax_finish_kernel[(r,)](pmax, psum, pidx, tok, lse, lp, packed if packed is not None else tok, n_splits,
+                         BLOCK_S=max(16, next_pow2(n_splits)), PACKED=packed is not None, num_warps=1)
     return tok, lse, lp
 
 
-def argmax_logsumexp_ref(logits: torch.Tensor, split: int = SPLIT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def argmax_logsumexp_ref(logits: torch.Tensor, split: int = SPLIT, packed: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`argmax_logsumexp`."""
     tok = logits.argmax(dim=-1)
     lse = torch.logsumexp(logits, dim=-1)
-    return tok, lse, torch.log_softmax(logits, dim=-1).gather(1, tok[:, None]).squeeze(1)
+    lp = torch.log_softmax(logits, dim=-1).gather(1, tok[:, None]).squeeze(1)
+    if packed is not None:
+        from deepinfer.engine.sampler import pack_greedy
+
+        packed.copy_(pack_greedy(tok, lp))
+    return tok, lse, lp
+

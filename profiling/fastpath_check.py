@@ -24,15 +24,15 @@ def generate_recording(llm, prompts, sp) -> tuple[list, list]:
     steps: list = []
     sample = llm.runner.sampler.sample
 
-    def wrapped(logits, params):
+    def wrapped(logits, params, *args):
         steps.append(logits.float().cpu())
-        return sample(logits, params)
+        return sample(logits, params, *args)
 
-    llm.runner.sampler.sample = wrapped
+    llm.runner.sampler.sample, llm.runner.greedy_lane = wrapped, False  # every step through the sampler
     try:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
     finally:
-        llm.runner.sampler.sample = sample
+        llm.runner.sampler.sample, llm.runner.greedy_lane = sample, True
     return [o.token_ids for o in outs], steps
 
 

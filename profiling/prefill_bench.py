@@ -113,11 +113,11 @@ def prefill_logits(llm: LLM, prompts: list[list[int]], fast: bool) -> list[torch
         runner.fast_prefill = None
     rows: list[torch.Tensor] = []
 
-    def record(logits, params):
+    def record(logits, params, *args):
         rows.extend(logits.float().cpu())
-        return sample(logits, params)
+        return sample(logits, params, *args)
 
-    runner.sampler.sample = record
+    runner.sampler.sample = record  # prefill steps never take the greedy decode lane
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     try:
         llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)

@@ -56,6 +56,35 @@ def test_fast_decode_matches_reference(ckpt, monkeypatch, graphs):
                 assert math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-4)
 
 
+def _short_run(ckpt, monkeypatch, mode, graphs, params):
+    monkeypatch.setenv("DEEPINFER_FASTPATH", mode)
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", graphs)
+    llm = LLM(ckpt, dtype="float32", max_model_len=256, max_num_seqs=4, block_size=128)
+    prompts = [[(5 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((3, 40, 130))]
+    return llm, llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+
+
+def test_greedy_lane_samples_inside_the_graph(ckpt, monkeypatch):
+    """All-greedy graphed decode steps without top log-probs take the graph's own argmax /
+    log-sum-exp (no sampler launch, one packed copy): the reference path's tokens and
+    log-probs. A batch with a random row samples through the sampler, which reuses the
+    graph's log-sum-exp: the same tokens and log-probs as without graphs."""
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    _, ref = _short_run(ckpt, monkeypatch, "0", "0", greedy)
+    lane_llm, lane = _short_run(ckpt, monkeypatch, "ref", "1", greedy)
+    assert lane_llm.runner.greedy_lane_steps >= 7
+    for a, b in zip(ref, lane):
+        assert a.token_ids == b.token_ids
+        assert all(math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-4) for x, y in zip(a.logprobs, b.logprobs))
+    mixed = [greedy, SamplingParams(temperature=0.9, seq_seed=7, max_tokens=8, ignore_eos=True), greedy]
+    eager_llm, eager = _short_run(ckpt, monkeypatch, "ref", "0", mixed)
+    graph_llm, graphed = _short_run(ckpt, monkeypatch, "ref", "1", mixed)
+    assert graph_llm.runner.greedy_lane_steps == 0 and graph_llm.runner.fast.stats["graph_steps"] >= 7
+    for a, b in zip(eager, graphed):
+        assert a.token_ids == b.token_ids
+        assert all(math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-5) for x, y in zip(a.logprobs, b.logprobs))
+
+
 def test_fast_path_selection(ckpt, monkeypatch):
     monkeypatch.delenv("DEEPINFER_FASTPATH", raising=False)
     llm = LLM(ckpt, dtype="float32", max_model_len=256, max_num_seqs=2)

@@ -16,13 +16,13 @@ work with it (``execute`` chains them for the synchronous loop):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from deepinfer import batch_invariant
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from deepinfer.engine.sampler import Sampler, SamplingTensors
+from deepinfer.engine.sampler import Sampler, SamplingTensors, unpack_greedy
 from deepinfer.engine.transfer import HostResult, ResultCopier, to_device
 from deepinfer.models.deepseek_v4 import DeepseekV4Model
 from deepinfer.models.fast.prefill import PrefillPath
@@ -45,6 +45,8 @@ class LaunchedStep:
     logits: torch.Tensor | None = None
     result: HostResult | None = None  # sampled tokens / logprobs on their way to the host
     output: ModelRunnerOutput | None = None  # set directly by the speculative path
+    reduced: Any = None  # a graphed decode step's per-row argmax / log-sum-exp (FastPath.reduced)
+    packed: bool = False  # result is one [R, 2] tensor of (token, log-prob bits): the greedy lane
 
 
 class ModelRunner:
@@ -55,6 +57,10 @@ class ModelRunner:
         self.model, self.cache = model, cache
         self.device = cache.swa[0].device
         self.sampler = Sampler()
+        #: all-greedy graphed decode steps sample inside their graph (_greedy_lane); tools that
+        #: record every step's logits through ``sampler.sample`` turn it off
+        self.greedy_lane = True
+        self.greedy_lane_steps = 0
         #: Run every step in batch-invariant mode (LLM sets it from EngineConfig.batch_invariant).
         self.batch_invariant = False
         self.replay = None  # V4.1 SWA bounded replay (models.bounded_replay.ReplayConfig), set by the engine
@@ -125,6 +131,7 @@ class ModelRunner:
                     step.logits = self.model.compute_logits(picked)
                 elif last == list(range(fast_logits.shape[0])):
                     step.logits = fast_logits  # a plain decode step: every row samples, in order
+                    step.reduced = fast.reduced
                 else:
                     step.logits = fast_logits[to_device(last, torch.long, self.device)]
         return step
@@ -143,18 +150,36 @@ class ModelRunner:
         logits, step.logits = step.logits, None
         if grammar is not None:  # host fill overlaps the async forward on a GPU
             grammar.apply(logits, [r.req_id for r in reqs])
+            step.reduced = None  # computed from the unmasked logits
         buffer = self.token_buffer
+        if self.greedy_lane and step.reduced is not None and all(
+                r.sampling_params.is_greedy and not r.sampling_params.top_logprobs for r in reqs):
+            return self._greedy_lane(step, reqs)
         params = SamplingTensors.from_params([r.sampling_params for r in reqs],
                                              [r.start_pos + r.num_tokens for r in reqs], self.device,
                                              state_slots=[r.state_slot for r in reqs] if buffer is not None else None)
         with phase(SAMPLE):
-            out = self.sampler.sample(logits, params)
+            red = step.reduced
+            out = self.sampler.sample(logits, params, None if red is None else (red.argmax, red.lse,
+                                                                               red.argmax_logprob))
         if buffer is not None:
             buffer.record(so, reqs, out.token_ids, params.state_slots)
         tensors = [out.token_ids, out.logprobs]
         if out.top_logprobs is not None:
             tensors += list(out.top_logprobs)
         step.result = self.copier.start(tensors)
+        return step
+
+    def _greedy_lane(self, step: LaunchedStep, reqs: list) -> LaunchedStep:
+        """An all-greedy plain decode step without top log-probs samples inside its CUDA
+        graph: the tokens and log-probs are the graph's argmax / log-sum-exp (no sampling
+        tensors, no sampler launch, one device -> host copy)."""
+        red = step.reduced
+        packed = red.packed.clone()  # the next replay rewrites the graph's outputs
+        if self.token_buffer is not None:
+            self.token_buffer.record(step.so, reqs, packed[:, 0], red.slots)
+        self.greedy_lane_steps += 1
+        step.result, step.packed, step.reduced = self.copier.start([packed]), True, None
         return step
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
@@ -168,8 +193,12 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids, sampled)
         with phase(WAIT):  # where the host waits for the device
             host = step.result.wait()
-        tokens, lps = host[0].tolist(), host[1].tolist()
-        top_ids, top_vals = (host[2].tolist(), host[3].tolist()) if len(host) > 2 else (None, None)
+        if step.packed:
+            tokens, lps = unpack_greedy(host[0])
+            top_ids = top_vals = None
+        else:
+            tokens, lps = host[0].tolist(), host[1].tolist()
+            top_ids, top_vals = (host[2].tolist(), host[3].tolist()) if len(host) > 2 else (None, None)
         logprobs: list[list[float]] = [[] for _ in so.scheduled]
         tops: list[list[list[tuple[int, float]]]] = [[] for _ in so.scheduled]
         any_top = any(so.scheduled[i].sampling_params.top_logprobs for i in step.picks)

@@ -35,7 +35,18 @@ from deepinfer.engine.transfer import to_device
 from deepinfer.models.invariant_ops import row_cumsum
 from deepinfer.sampling_params import SamplingParams
 
-__all__ = ["SamplingTensors", "SamplerOutput", "Sampler"]
+__all__ = ["SamplingTensors", "SamplerOutput", "Sampler", "pack_greedy", "unpack_greedy"]
+
+
+def pack_greedy(tok: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """Sampled tokens and their log-probs as one [R, 2] int64 tensor (token, the log-prob's
+    float32 bits): one device -> host copy for a step's results."""
+    return torch.stack([tok, lp.float().view(torch.int32).to(torch.int64)], dim=1)
+
+
+def unpack_greedy(packed: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Host lists (tokens, log-probs) of a :func:`pack_greedy` tensor."""
+    return packed[:, 0].tolist(), packed[:, 1].to(torch.int32).view(torch.float32).tolist()
 
 
 @dataclass
@@ -202,16 +213,22 @@ class Sampler:
             z = z.masked_fill(torch.exp(z - z_max) < params.min_p.unsqueeze(1), neg_inf)
         return z
 
-    def sample(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
-        """Sample one token per row of ``logits`` (float ``[R, V]``)."""
+    def sample(self, logits: torch.Tensor, params: SamplingTensors,
+               reduced: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> SamplerOutput:
+        """Sample one token per row of ``logits`` (float ``[R, V]``). ``reduced``: the rows'
+        (argmax, log-sum-exp, argmax log-prob) already computed from these logits (a decode
+        graph's), used instead of reducing again when no row asks for top log-probs."""
         if logits.dim() != 2 or logits.shape[0] != params.num_rows:
             raise ValueError(f"logits must be [R={params.num_rows}, V], got {tuple(logits.shape)}")
         raw = logits.float()
         k = min(params.max_top_logprobs, raw.shape[1])
-        reduce = self._row_reduce(raw) if k == 0 else None
-        if reduce is not None:  # argmax + log-sum-exp in one pass, no [R, V] log-probs
+        fused = k == 0  # argmax + log-sum-exp per row, no [R, V] log-probs
+        if fused and reduced is not None:  # a graph's outputs, which its next replay rewrites
+            tokens, lse, greedy_lp = reduced
+        elif fused and (reduce := self._row_reduce(raw)) is not None:
             tokens, lse, greedy_lp = reduce(raw.contiguous())
         else:
+            fused = False
             raw_logprobs = torch.log_softmax(raw, dim=-1)
             tokens = raw.argmax(dim=-1)
         if not params.all_greedy:
@@ -221,10 +238,12 @@ class Sampler:
             # E = inf, i.e. a score of -inf (never chosen), never NaN.
             sampled = (z - torch.log(-torch.log(u))).argmax(dim=-1)
             tokens = torch.where(params.greedy, tokens, sampled)
-        if reduce is None:
+        if not fused:
             logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         elif params.all_greedy:
             logprobs = greedy_lp
+            if reduced is not None:
+                tokens, logprobs = tokens.clone(), logprobs.clone()
         else:
             logprobs = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
         top = None

@@ -50,3 +50,20 @@ def test_rejects_bad_input() -> None:
         argmax_logsumexp(torch.randn(2, 8, device=DEVICE).half())
     with pytest.raises(ValueError, match="power of two"):
         argmax_logsumexp(torch.randn(2, 8, device=DEVICE), split=24)
+
+
+def test_packed_output(fresh_seed: int) -> None:
+    """The packed [R, 2] output (the greedy decode lane's one device -> host copy) holds the
+    tokens and the log-probs' bits."""
+    from deepinfer.engine.sampler import pack_greedy, unpack_greedy
+
+    g = gen(fresh_seed)
+    x = (torch.randn(4, 700, generator=g) * 3).to(DEVICE)
+    packed = torch.empty(4, 2, dtype=torch.int64, device=DEVICE)
+    tok, _, lp = argmax_logsumexp(x, 64, packed=packed)
+    assert torch.equal(packed, pack_greedy(tok, lp))
+    tokens, lps = unpack_greedy(packed.cpu())
+    assert tokens == tok.tolist() and lps == lp.tolist()
+    ref = torch.empty_like(packed)
+    argmax_logsumexp_ref(x, packed=ref)
+    assert torch.equal(ref[:, 0], packed[:, 0])

@@ -55,6 +55,7 @@ def kernel_ops(kind: str) -> SimpleNamespace:
     """The batched ops: ``"triton"`` (deepinfer_kernels) or ``"ref"`` (their torch
     references: per-request loops with host reads, for CPU tests only)."""
     _ensure_kernels_importable()
+    from deepinfer_kernels import argmax_lse as am
     from deepinfer_kernels import compressor_decode as cd
     from deepinfer_kernels import decode_attention as da
     from deepinfer_kernels import fused_moe as fm
@@ -70,7 +71,7 @@ def kernel_ops(kind: str) -> SimpleNamespace:
     sfx = "" if kind == "triton" else "_ref"
     mods = {"decode_attention": da, "indexer_topk": it, "router": rt, "fused_moe": fm, "hc_pre": mhc,
             "hc_post_pre": mhc, "hc_head": mhc, "compressor_decode": cd, "norm_rope": nr, "rms_norm": rn,
-            "skinny_linear": sg, "skinny_grouped_linear": sg}
+            "skinny_linear": sg, "skinny_grouped_linear": sg, "argmax_logsumexp": am}
     return SimpleNamespace(kind=kind, **{name: getattr(mod, name + sfx) for name, mod in mods.items()})
 
 

@@ -23,7 +23,9 @@ captured the first time a pure-decode step of that shape runs (after an eager wa
 of the same step, which is harmless: every decode write is idempotent), all in one
 memory pool. Rows past the real batch repeat row 0 (same request, same slot, same
 position), so they write exactly what row 0 writes and need no dummy block or slot.
-A graph computes the logits of every row; the runner reads the first R.
+A graph computes the logits of every row; the runner reads the first R. It also reduces
+them to each row's argmax and log-sum-exp (:attr:`FastPath.reduced`), so an all-greedy
+step samples without a launch of its own (the runner's greedy lane).
 """
 
 from __future__ import annotations
@@ -78,6 +80,17 @@ class StepInputs:
         return cls(flat, flat[:rows], flat[rows:2 * rows], flat[2 * rows:3 * rows], flat[3 * rows:head], tables)
 
 
+@dataclass
+class GraphReductions:
+    """Per-row reductions of a graphed decode step's logits (see ``FastPath.reduced``)."""
+
+    packed: torch.Tensor
+    lse: torch.Tensor
+    argmax: torch.Tensor
+    argmax_logprob: torch.Tensor
+    slots: torch.Tensor
+
+
 class FastPath:
     unavailable: str | None = None  # why the kernels did not import, if they did not
 
@@ -91,6 +104,10 @@ class FastPath:
         self._graphs: dict[tuple, tuple[Any, Any]] = {}  # key -> (graph, its static outputs)
         self._pool = None
         self.stats = {"fast_steps": 0, "graph_steps": 0, "captures": 0}
+        #: the last graphed step's per-row reductions of its logits (views of the graph's
+        #: outputs, valid until the next replay): packed [R, 2] int64 (argmax, its log-prob's
+        #: float32 bits), logsumexp [R], argmax [R], argmax log-prob [R], state slots [R]
+        self.reduced: GraphReductions | None = None
 
     @classmethod
     def create(cls, model: Any, cache: Any) -> FastPath | None:
@@ -226,11 +243,24 @@ class FastPath:
         return self._logits(batch.decode) if logits is None else logits
 
     def run_graph(self, so: Any, batch: ForwardBatch) -> torch.Tensor | None:
-        """Float32 logits [R, V] from the step's CUDA graph, or None when it is not graphed."""
+        """Float32 logits [R, V] from the step's CUDA graph, or None when it is not graphed
+        (sets :attr:`reduced` for a graphed step, clears it otherwise)."""
         meta: DecodeMeta | None = batch.decode
+        self.reduced = None
         if meta is None or not meta.graphed:
             return None
-        return self._replay((meta.ids.shape[0], meta.width), meta, self._logits)[:meta.n_rows]
+        logits, red = self._replay((meta.ids.shape[0], meta.width), meta, self._logits_reduced)
+        n = meta.n_rows
+        self.reduced = GraphReductions(*(t[:n] for t in red))
+        return logits[:n]
+
+    def _logits_reduced(self, meta: DecodeMeta) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The graph body: logits, and their per-row argmax / log-sum-exp (a few us of GPU
+        time; an all-greedy step then needs no sampling launch)."""
+        logits = self._logits(meta)
+        packed = torch.empty(logits.shape[0], 2, dtype=torch.int64, device=logits.device)
+        tok, lse, lp = self.ops.argmax_logsumexp(logits, packed=packed)
+        return logits, (packed, lse, tok, lp, meta.slots.long())
 
     def _replay(self, key: tuple, meta: DecodeMeta, fn: Any) -> Any:
         """``fn(meta)``'s outputs from the CUDA graph of ``key`` (captured on first use, after
