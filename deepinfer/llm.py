@@ -19,6 +19,7 @@ from deepinfer.detokenizer import IncrementalDetokenizer
 from deepinfer.engine.kv_cache_manager import HybridKVCacheManager, KVCacheGroupSpec
 from deepinfer.engine.inputs import expand_sampling_params
 from deepinfer.engine.kv_sizing import num_kv_blocks
+from deepinfer.engine.memory_profile import profile_step_peak_bytes
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
@@ -88,7 +89,12 @@ class LLM:
 
     def init_cache_and_scheduler(self) -> None:
         cfg, mcfg = self.config, self.model_config
-        blocks = num_kv_blocks(cfg, mcfg, self.model.dtype, self.device, cfg.max_model_len)
+        #: the profiled activation peak of a worst-case step (bytes; None off a device): what
+        #: the KV budget keeps free besides the weights (deepinfer/engine/memory_profile.py)
+        self.step_peak_bytes = (profile_step_peak_bytes(self.model, cfg, self.device)
+                                if cfg.num_kv_blocks is None else None)
+        blocks = num_kv_blocks(cfg, mcfg, self.model.dtype, self.device, cfg.max_model_len,
+                               step_peak_bytes=self.step_peak_bytes)
         self.kv_cache = new_kv_cache(mcfg, blocks, cfg.block_size, cfg.max_num_seqs, self.model.dtype, self.device)
         groups = [KVCacheGroupSpec(g, mcfg.sliding_window if g in WINDOW_GROUPS else None)
                   for g in group_names(mcfg)]
@@ -106,6 +112,8 @@ class LLM:
         if cfg.num_speculative_tokens > 0:  # DEEPINFER_USE_NEXTN_DECODE: MTP / DSpark drafts, lossless verify
             from deepinfer.spec import setup as setup_speculative
             setup_speculative(self)
+        #: decode CUDA graph shapes captured at start, largest first (0 off the fast path)
+        self.graphs_warmed = self.runner.warmup(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size)
         # grammars compile in worker threads; xgrammar itself loads on the first constrained request
         self.structured = StructuredOutputManager(self.tokenizer, mcfg.vocab_size, self.eos_token_id,
                                                   self.device, cfg.max_num_seqs)

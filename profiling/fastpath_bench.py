@@ -208,9 +208,14 @@ def run_size(name: str, cfg, args, out: dict, budget: Budget) -> None:
     with open(os.path.join(cfg_dir, "config.json"), "w") as f:
         json.dump(cfg.to_official_json(), f)
     max_len = max(max(args.prefill), 300 + max(args.new_tokens, args.check_tokens)) + 64
+    t = time.time()
     llm = PrebuiltLLM(model, cfg_dir, dtype="bfloat16", max_model_len=max_len, max_num_seqs=max(args.batches),
                       max_num_batched_tokens=max(max(args.prefill), 2048), enable_prefix_caching=False,
                       kv_cache_memory_bytes=args.kv_gib << 30)
+    # engine start: memory profile of the worst-case step, KV sizing, decode graph warm-up
+    res["engine_init_s"] = round(time.time() - t, 1)
+    res["step_peak_bytes"], res["graphs_warmed"] = llm.step_peak_bytes, llm.graphs_warmed
+    res["kv_blocks"] = {g: p.num_blocks for g, p in llm.kv_manager.pools.items()}
     llm._fast_paths = (llm.runner.fast, llm.runner.fast_prefill)
     res["fast_path"] = {"decode": llm.runner.fast is not None, "prefill": llm.runner.fast_prefill is not None,
                         "ops": getattr(llm.runner.fast, "ops", None) and llm.runner.fast.ops.kind}

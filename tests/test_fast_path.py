@@ -156,3 +156,28 @@ def test_fast_decode_on_quantized_experts(tmp_path, monkeypatch, expert_dtype):
             assert a.token_ids == b.token_ids, mode
             for x, y in zip(a.logprobs, b.logprobs):
                 assert math.isclose(x, y, rel_tol=1e-3, abs_tol=1e-3), mode
+
+
+def test_graph_warmup_shapes_largest_first():
+    shapes = FastPath.warmup_shapes(max_num_seqs=40, max_model_len=1000, block_size=128)
+    rows = sorted({r for r, _ in shapes}, reverse=True)
+    assert rows == [64, 32, 16, 8, 4, 2, 1]  # up to the first bucket holding 40 rows
+    assert sorted({w for _, w in shapes}) == [1, 2, 4, 8]  # 1001 tokens: 8 blocks
+    assert shapes[0] == (64, 8) and shapes[-1] == (1, 1) and len(shapes) == 28
+    assert all(a[0] > b[0] or (a[0] == b[0] and a[1] > b[1]) for a, b in zip(shapes, shapes[1:]))
+
+
+def test_graph_warmup_leaves_results_unchanged(ckpt, monkeypatch):
+    """Warm-up runs dummy decode steps of every shape (here eagerly on the host cache, as on a
+    GPU it captures them) writing block 0 / slot 0: a run after it decodes what a run
+    without it does."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_WARMUP", "0")
+    cold_llm, cold = _short_run(ckpt, monkeypatch, "ref", "1", params)
+    assert cold_llm.graphs_warmed == 0
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_WARMUP", "1")
+    warm_llm, warm = _short_run(ckpt, monkeypatch, "ref", "1", params)
+    assert warm_llm.graphs_warmed == len(warm_llm.runner.fast.warmed) == 9  # rows 4/2/1 x widths 4/2/1 (257 tokens)
+    assert warm_llm.runner.fast.warmed[0] == (4, 4)
+    for a, b in zip(cold, warm):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

@@ -12,25 +12,39 @@ from deepinfer.models.kv_cache import block_bytes, group_names, slot_bytes
 from deepinfer.platform import platform_for_device
 
 
-def kv_budget_bytes(config: EngineConfig, device: torch.device, weights_bytes: int) -> int:
+def device_kv_budget(total: int, free: int, gpu_memory_utilization: float, step_peak_bytes: int | None) -> int:
+    """Bytes of a device's memory the KV cache may take: ``gpu_memory_utilization`` of it,
+    less what is already allocated (weights, other processes), less the measured peak of a
+    worst-case step (deepinfer/engine/memory_profile.py) and the CUDA graphs' reserve.
+    Without a measurement (a platform with no allocator statistics): 10% of what is left,
+    at least 1 GiB, as headroom."""
+    from deepinfer.engine.memory_profile import GRAPH_RESERVE_BYTES
+
+    budget = int(total * gpu_memory_utilization) - (total - free)
+    if step_peak_bytes is None:
+        return max(0, budget - max(1 << 30, budget // 10))
+    return max(0, budget - step_peak_bytes - GRAPH_RESERVE_BYTES)
+
+
+def kv_budget_bytes(config: EngineConfig, device: torch.device, weights_bytes: int,
+                    step_peak_bytes: int | None = None) -> int:
     if device.type in ("cuda", "npu"):
         free, total = platform_for_device(device).mem_get_info(device)
-        used_elsewhere = total - free
-        # Activations and the sampler need headroom; 10% of what is left, at least 1 GiB.
-        budget = int(total * config.gpu_memory_utilization) - used_elsewhere
-        return max(0, budget - max(1 << 30, budget // 10))
+        return device_kv_budget(total, free, config.gpu_memory_utilization, step_peak_bytes)
     return int(config.kv_cache_memory_bytes)
 
 
 def num_kv_blocks(config: EngineConfig, model_cfg: DeepseekV4Config, dtype: torch.dtype, device: torch.device,
-                  max_model_len: int, weights_bytes: int = 0) -> dict[str, int]:
+                  max_model_len: int, weights_bytes: int = 0, step_peak_bytes: int | None = None) -> dict[str, int]:
     """Blocks per group (every group gets the same count: each logical token block of a
-    request takes one block in every group it is held in)."""
+    request takes one block in every group it is held in). ``step_peak_bytes``: the
+    profiled activation peak of a worst-case step (device budgets only)."""
     groups = group_names(model_cfg)
     if config.num_kv_blocks is not None:
         return {g: config.num_kv_blocks for g in groups}
     per_block = sum(block_bytes(model_cfg, config.block_size, dtype).values())
-    budget = kv_budget_bytes(config, device, weights_bytes) - config.max_num_seqs * slot_bytes(model_cfg, dtype)
+    budget = (kv_budget_bytes(config, device, weights_bytes, step_peak_bytes)
+              - config.max_num_seqs * slot_bytes(model_cfg, dtype))
     blocks = budget // per_block
     needed = config.max_num_seqs * (-(-max_model_len // config.block_size))
     blocks = min(blocks, needed)

@@ -182,6 +182,14 @@ class ModelRunner:
         step.result, step.packed, step.reduced = self.copier.start([packed]), True, None
         return step
 
+    def warmup(self, max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+        """Capture the fast path's decode CUDA graphs for these limits up front, largest
+        first (compiles its kernels too); returns how many shapes ran (0 off the fast path)."""
+        if self.fast is None or self.spec is not None or self.batch_invariant:
+            return 0
+        with torch.no_grad():
+            return self.fast.warmup(max_num_seqs, max_model_len, block_size)
+
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """The step's ModelRunnerOutput; waits only for its own results' copy."""
         if step.output is not None:

@@ -18,10 +18,13 @@ row groups | every group's block table as contiguous views (:class:`StepInputs`)
 costs one pinned host -> device copy plus the device copy of its token ids (async
 scheduling fills those on the device), and nothing is rebuilt inside the graph.
 
-CUDA graphs: one graph per (batch bucket 1, 2, 4, ..., max_graph_batch; table width),
-captured the first time a pure-decode step of that shape runs (after an eager warm-up
-of the same step, which is harmless: every decode write is idempotent), all in one
-memory pool. Rows past the real batch repeat row 0 (same request, same slot, same
+CUDA graphs: one graph per (batch bucket 1, 2, 4, ..., max_graph_batch; table width), all
+in one memory pool. :meth:`FastPath.warmup` (at engine start) captures every shape the
+engine's limits allow, the largest first so that the smaller graphs reuse the pool the
+largest allocated, on dummy steps that write only block 0 / state slot 0 at position 0
+(overwritten or reset before any request reads them); a shape still missing is captured
+the first time a pure-decode step of it runs (after an eager warm-up of the same step,
+which is harmless: every decode write is idempotent). Rows past the real batch repeat row 0 (same request, same slot, same
 position), so they write exactly what row 0 writes and need no dummy block or slot.
 A graph computes the logits of every row; the runner reads the first R. It also reduces
 them to each row's argmax and log-sum-exp (:attr:`FastPath.reduced`), so an all-greedy
@@ -52,6 +55,8 @@ MAX_ROWS = 8
 register_env_var("DEEPINFER_FASTPATH", "auto|0|1|ref|triton: fast path of pure-decode steps (auto = bf16/fp16 on CUDA, 1 = any dtype; "
                  "ref / triton force it on the host with the torch references / interpreted kernels: tests)")
 register_env_var("DEEPINFER_CUDA_GRAPHS", "0|1 (default 1): CUDA graphs of pure-decode steps on the fast path")
+register_env_var("DEEPINFER_CUDA_GRAPH_WARMUP", "auto|0|1: capture every decode graph shape at engine start, largest "
+                 "first (auto = on CUDA; 0 = capture on first use; 1 = also emulated on a host cache: tests)")
 
 
 def _next_pow2(n: int) -> int:
@@ -108,6 +113,7 @@ class FastPath:
         #: outputs, valid until the next replay): packed [R, 2] int64 (argmax, its log-prob's
         #: float32 bits), logsumexp [R], argmax [R], argmax log-prob [R], state slots [R]
         self.reduced: GraphReductions | None = None
+        self.warmed: list[tuple[int, int]] = []  # shapes :meth:`warmup` ran, in order
 
     @classmethod
     def create(cls, model: Any, cache: Any) -> FastPath | None:
@@ -199,6 +205,41 @@ class FastPath:
         self.stats["fast_steps"] += 1
         return DecodeMeta(inputs.positions, inputs.slots, inputs.tables, width, self.ops, ids=inputs.ids,
                           starts=inputs.starts, graphed=graphed, n_rows=n)
+
+    # ---- warm-up -----------------------------------------------------------------------
+    @staticmethod
+    def warmup_shapes(max_num_seqs: int, max_model_len: int, block_size: int) -> list[tuple[int, int]]:
+        """Every (rows bucket, table width) a plain decode step can take under these limits,
+        largest first: buckets up to the first one holding ``max_num_seqs`` rows, widths
+        (powers of two) up to the blocks of a ``max_model_len`` context."""
+        rows = [b for b in BUCKETS if b < max_num_seqs] + [next((b for b in BUCKETS if b >= max_num_seqs),
+                                                                BUCKETS[-1])]
+        widest = _next_pow2(-(-(max_model_len + 1) // block_size))
+        widths = [1 << i for i in range(widest.bit_length())]
+        return sorted({(r, w) for r in rows for w in widths}, key=lambda rw: (-rw[0], -rw[1]))
+
+    def warmup(self, max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+        """Capture the decode graphs of :meth:`warmup_shapes` (CUDA with graphs on, unless
+        ``DEEPINFER_CUDA_GRAPH_WARMUP=0``; ``=1`` also runs the same dummy steps eagerly on a
+        host cache with emulated graphs: tests); returns how many ran."""
+        mode = os.environ.get("DEEPINFER_CUDA_GRAPH_WARMUP", "auto").lower()
+        if mode not in ("auto", "0", "1"):
+            from deepinfer.errors import ConfigError
+            raise ConfigError(f"DEEPINFER_CUDA_GRAPH_WARMUP={mode!r}: expected auto, 0 or 1")
+        if not self.graphs_enabled or mode == "0" or (mode == "auto" and self.device.type != "cuda"):
+            return 0
+        shapes = self.warmup_shapes(max_num_seqs, max_model_len, block_size)
+        for rows, width in shapes:
+            inputs = self._inputs.get((rows, width))
+            if inputs is None:
+                inputs = self._inputs[(rows, width)] = StepInputs.allocate(rows, width, self.groups, self.device)
+            inputs.flat.zero_()  # ids 0, position 0, slot 0, block 0 for every row ...
+            inputs.starts.copy_(torch.arange(rows + 1, dtype=torch.int32, device=self.device))  # one row per group
+            meta = DecodeMeta(inputs.positions, inputs.slots, inputs.tables, width, self.ops, ids=inputs.ids,
+                              starts=inputs.starts, graphed=True, n_rows=rows)
+            self._replay((rows, width), meta, self._logits_reduced)
+            self.warmed.append((rows, width))
+        return len(shapes)
 
     # ---- execution -------------------------------------------------------------------
     def _logits(self, meta: DecodeMeta, capture: dict | None = None) -> torch.Tensor:

@@ -1,0 +1,42 @@
+"""Memory profiling before KV sizing (deepinfer/engine/memory_profile.py): the worst-case
+step runs on the path the engine will use, and its measured peak comes off the budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.kv_sizing import device_kv_budget
+from deepinfer.engine.memory_profile import GRAPH_RESERVE_BYTES, profile_step_peak_bytes, worst_case_step
+from deepinfer.models.tiny import init_random, tiny_config
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("fast_prefill", ["0", "ref"])
+def test_worst_case_step_runs_on_the_engines_prefill_path(monkeypatch, fast_prefill: str) -> None:
+    from deepinfer.models.deepseek_v41 import build_model
+
+    monkeypatch.setenv("DEEPINFER_FAST_PREFILL", fast_prefill)
+    model = build_model(tiny_config(vocab_size=512, sliding_window=32, index_topk=4), torch.float32)
+    init_random(model, 3)
+    cfg = EngineConfig(max_num_batched_tokens=300, max_model_len=256, max_num_seqs=5, block_size=128)
+    calls = []
+    from deepinfer.models.fast import prefill as prefill_mod
+
+    original = prefill_mod.PrefillPath.forward
+    monkeypatch.setattr(prefill_mod.PrefillPath, "forward", lambda self, *a: calls.append(a) or original(self, *a))
+    lp = worst_case_step(model.eval(), cfg, torch.device("cpu"))
+    assert lp.shape == (5, 512) and torch.isfinite(lp).all()
+    assert torch.allclose(lp.exp().sum(-1), torch.ones(5), atol=1e-4)
+    assert len(calls) == (1 if fast_prefill == "ref" else 0)  # min(300, 256) tokens, one step
+    assert profile_step_peak_bytes(model, cfg, torch.device("cpu")) is None  # no allocator to ask
+
+
+def test_device_budget_subtracts_the_measured_peak() -> None:
+    total, free = 140 * GIB, 100 * GIB  # 40 GiB of weights / other processes
+    budget = int(total * 0.9) - 40 * GIB
+    assert device_kv_budget(total, free, 0.9, 6 * GIB) == budget - 6 * GIB - GRAPH_RESERVE_BYTES
+    assert device_kv_budget(total, free, 0.9, None) == budget - max(GIB, budget // 10)  # unprofiled: headroom
+    assert device_kv_budget(total, free, 0.3, 6 * GIB) == 0  # nothing left: never negative
