@@ -202,6 +202,12 @@ def run_size(name: str, cfg, args, out: dict, budget: Budget) -> None:
     t = time.time()
     model = build(cfg, device)
     res["build_s"] = round(time.time() - t, 1)
+    if args.quantize:  # the official storage in memory: FP8 block-scaled dense, FP4 / FP8 routed experts
+        from deepinfer.models.quant_online import quantize_linears
+
+        res["quantized"] = {"dense": "fp8", "experts": args.quantize,
+                            "linears": quantize_linears(model, args.quantize, (128, 128))}
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
     costs = ModelCosts.of(model)
     res["dense_weight_bytes"], res["expert_bytes"] = costs.dense_bytes, costs.expert_bytes
     cfg_dir = tempfile.mkdtemp(prefix=f"{name}_cfg_")
@@ -222,14 +228,16 @@ def run_size(name: str, cfg, args, out: dict, budget: Budget) -> None:
     if llm.runner.fast is None:
         raise RuntimeError(f"fast path not selected for {name}")
     lens = (1, 17, 130, 300) if name == "mini" else (5, 140)
-    phase(res, "check_engine", budget, 20, check_engine, llm, args.check_tokens, lens)
-    if name == "mini" or args.tiny:
-        phase(res, "check_layers", budget, 20, check_layers, model, args.check_tokens, (5, 127, 300))
-    if llm.runner.fast_prefill is not None:  # rows before / behind the first HCA entry, and a long one
-        phase(res, "check_prefill", budget, 20, check_prefill, model, (40, 127, 129, 300))
+    skip = set(args.skip.split(",")) if args.skip else set()
+    if "check" not in skip:
+        phase(res, "check_engine", budget, 20, check_engine, llm, args.check_tokens, lens)
+        if name == "mini" or args.tiny:
+            phase(res, "check_layers", budget, 20, check_layers, model, args.check_tokens, (5, 127, 300))
+        if llm.runner.fast_prefill is not None:  # rows before / behind the first HCA entry, and a long one
+            phase(res, "check_prefill", budget, 20, check_prefill, model, (40, 127, 129, 300))
     set_mode(llm, "graphs")
     res["decode"] = []
-    for b in args.batches:
+    for b in () if "decode" in skip else args.batches:
         r = phase(res, f"decode_b{b}", budget, 15, decode_speed, llm, costs, b, args.new_tokens)
         res["decode"].append(res.pop(f"decode_b{b}"))
         if r is None:
@@ -238,7 +246,7 @@ def run_size(name: str, cfg, args, out: dict, budget: Budget) -> None:
     for n in args.prefill:
         phase(res, f"prefill_{n}", budget, 15, prefill_speed, llm, costs, n)
         res["prefill"].append(res.pop(f"prefill_{n}"))
-    if not args.tiny:
+    if not args.tiny and "profile" not in skip:
         for b in (1, 64):
             phase(res, f"kernel_profile_b{b}", budget, 15, kernel_profile, llm, b)
     release(llm)
@@ -247,7 +255,7 @@ def run_size(name: str, cfg, args, out: dict, budget: Budget) -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         res["gpu_bytes_left_after_release"] = torch.cuda.memory_allocated()
-    if not args.no_hf:
+    if not args.no_hf and "hf" not in skip:
         phase(res, "hf", budget, 40, run_hf, cfg, device, args, budget)
 
 
@@ -318,6 +326,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny shapes, torch-reference kernels")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--kv-gib", type=int, default=8)
+    parser.add_argument("--quantize", choices=("fp4", "fp8"), default=None,
+                        help="serve the official quantized storage, made in memory: FP8 dense + these routed experts")
+    parser.add_argument("--skip", default="", help="comma list of phases to skip: check, decode, profile, hf")
     args = parser.parse_args(argv)
     args.batches = (1, 4) if args.tiny else (1, 16, 64, 256)
     args.prefill = (64, 200) if args.tiny else (2048, 8192)
@@ -339,7 +350,8 @@ def main(argv: list[str] | None = None) -> dict:
     except ImportError:
         pass
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"fastpath_bench_{args.sizes.replace(',', '_')}{'_tiny' if args.tiny else ''}.json")
+    tag = f"_{args.quantize}" if args.quantize else ""
+    path = os.path.join(args.out, f"fastpath_bench_{args.sizes.replace(',', '_')}{tag}{'_tiny' if args.tiny else ''}.json")
     for name in args.sizes.split(","):
         try:
             run_size(name, sizes[name](), args, out, budget)

@@ -6,7 +6,7 @@ layer (ratio 128, every entry) and a CSA layer (ratio 4, 512 selected entries pe
 
 For each (rows x heads per program, keys per block, warps, stages) candidate it checks the
 output against the shipped launch shape (rel err; the key blocks change only the float32
-summation order) and times it (median of CUDA-event-timed calls), with the TFLOP/s of the
+summation order) and times it (CUDA graph replays, kernel_bench.graph_time), with the TFLOP/s of the
 attention FLOPs (4 x heads x D per visible key) against the 800 TFLOP/s bf16 ceiling.
 Prints a table; writes prefill_attention_tuning.json.
 """
@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-import kernel_bench  # noqa: E402,F401  (makes kernels/ importable as deepinfer_kernels)
+import kernel_bench  # noqa: E402  (also makes kernels/ importable as deepinfer_kernels)
 import torch  # noqa: E402
 
 from deepinfer_kernels.prefill_attention import prefill_attention, query_tiles  # noqa: E402
@@ -61,20 +61,6 @@ def layer_inputs(tokens: int, ratio: int, csa: bool, dev: str = "cuda") -> tuple
     return kw, float(4 * H * D * keys.sum())
 
 
-def timed_ms(fn, reps: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
 def run(kw: dict, tokens: int, cand: dict) -> torch.Tensor:
     bt = cand.get("block_t", 1)
     tiles = query_tiles([0], [tokens], [0], bt, "cuda") if bt > 1 else None
@@ -101,7 +87,7 @@ def main() -> None:
                 continue  # CSA rows have their own entries: one row per program
             try:
                 err = float((run(kw, args.tokens, cand).float() - want).norm() / want.norm())
-                ms = timed_ms(lambda: run(kw, args.tokens, cand))
+                ms = kernel_bench.graph_time(lambda: run(kw, args.tokens, cand), reps=5, inner=2)
             except Exception as e:  # a shape Triton cannot compile or fit: recorded, not fatal
                 rows.append({"layer": layer, **cand, "error": repr(e)[:200]})
                 continue

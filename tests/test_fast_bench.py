@@ -33,3 +33,19 @@ def test_bench_tiny_end_to_end(tmp_path, monkeypatch, capsys):
     assert len(mini["hf"]["decode"]) == 2 and all(r["tok_s"] > 0 for r in mini["hf"]["prefill"])
     printed = capsys.readouterr().out
     assert out["table"] in printed and "x HF" in printed
+
+
+def test_bench_tiny_quantized_in_memory(tmp_path, monkeypatch):
+    """--quantize serves the official storage made in memory (FP8 dense, FP4 experts) on the
+    fast paths; --skip drops the checks, kernel profiles and HF."""
+    for var in ("DEEPINFER_FASTPATH", "DEEPINFER_FAST_PREFILL", "DEEPINFER_CUDA_GRAPHS"):
+        monkeypatch.delenv(var, raising=False)
+    fastpath_bench.main(["--tiny", "--sizes", "mini", "--quantize", "fp4", "--skip", "check,hf,profile",
+                         "--out", str(tmp_path)])
+    for var in ("DEEPINFER_FASTPATH", "DEEPINFER_FAST_PREFILL", "DEEPINFER_CUDA_GRAPHS"):
+        os.environ.pop(var, None)
+    mini = json.loads((tmp_path / "fastpath_bench_mini_fp4_tiny.json").read_text())["mini"]
+    assert mini["quantized"]["experts"] == "fp4" and mini["quantized"]["linears"] > 0
+    assert "check_engine" not in mini and "hf" not in mini
+    assert [r["path"] for r in mini["prefill"]] == ["fast_prefill", "fast_prefill"]
+    assert all(r["tok_s"] > 0 for r in mini["decode"])
