@@ -114,6 +114,7 @@ class FastPath:
         #: float32 bits), logsumexp [R], argmax [R], argmax log-prob [R], state slots [R]
         self.reduced: GraphReductions | None = None
         self.warmed: list[tuple[int, int]] = []  # shapes :meth:`warmup` ran, in order
+        self._moe_checked: tuple[tuple, bool] = ((), False)
 
     @classmethod
     def create(cls, model: Any, cache: Any) -> FastPath | None:
@@ -148,8 +149,21 @@ class FastPath:
     def _decode_like(self, so: Any) -> bool:
         """Every request continues (not newly admitted) with at most MAX_ROWS tokens: a decode
         token, a token and its drafts (speculative verify), or a short last chunk."""
-        return bool(so.scheduled) and all(1 <= r.num_tokens <= MAX_ROWS and not r.is_new for r in so.scheduled) \
-            and all(moe_supported(layer.ffn) for layer in self.model.layers)
+        reqs = so.scheduled
+        if not reqs or not self._moe_supported():
+            return False
+        for r in reqs:  # a plain loop: the generator form cost ~90 us per 64-request step on the CPU box
+            if r.is_new or not 1 <= len(r.token_ids) <= MAX_ROWS:
+                return False
+        return True
+
+    def _moe_supported(self) -> bool:
+        """Every layer's FFN runs on the fused MoE kernel; re-checked only when a layer's FFN
+        module changes (expert-parallel setups swap them after the fast path is created)."""
+        ffns = tuple(id(layer.ffn) for layer in self.model.layers)
+        if ffns != self._moe_checked[0]:
+            self._moe_checked = (ffns, all(moe_supported(layer.ffn) for layer in self.model.layers))
+        return self._moe_checked[1]
 
     def _graphed(self, so: Any, n_rows: int) -> bool:
         return (self.graphs_enabled and n_rows <= self.max_graph_batch
