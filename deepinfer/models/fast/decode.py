@@ -153,16 +153,20 @@ def attention_decode(attn: torch.nn.Module, x: torch.Tensor, ctx: Any) -> torch.
 
 
 #: Decode steps with at most this many rows run the attention's dense ``wo_a`` on the
-#: grouped skinny GEMM (kernels/skinny_gemm.py) instead of cuBLAS's batched GEMM.
+#: grouped skinny GEMM (kernels/skinny_gemm.py) instead of cuBLAS's batched GEMM, when its
+#: weight is at most SKINNY_GROUPED_MAX_BYTES. H200, batch 1 (fastpath_bench_h200_dfcd675
+#: vs _044b4fc): `mini` (4 MB per layer) 8 calls took 82 us in cuBLAS, 65 us here; `flash4`
+#: (64 MB per layer) 4 calls 73 us in cuBLAS (3.7 TB/s), 81 us here.
 SKINNY_GROUPED_MAX_ROWS = 16
+SKINNY_GROUPED_MAX_BYTES = 16 << 20
 
 
 def grouped_out(wo_a: torch.nn.Module, x: torch.Tensor, ops: Any) -> torch.Tensor:
-    """``wo_a(x)`` for x [T, groups, in]: a dense weight of x's dtype and a small step take
-    one grouped skinny GEMM launch, anything else the module (cuBLAS bmm, FP8 GEMM)."""
+    """``wo_a(x)`` for x [T, groups, in]: a small dense weight of x's dtype and a small step
+    take one grouped skinny GEMM launch, anything else the module (cuBLAS bmm, FP8 GEMM)."""
     w = wo_a._parameters.get("weight")
     if (w is not None and wo_a.quantized is None and x.shape[0] <= SKINNY_GROUPED_MAX_ROWS and w.dtype == x.dtype
-            and (w.shape[0] // wo_a.groups) % 16 == 0):
+            and w.numel() * w.element_size() <= SKINNY_GROUPED_MAX_BYTES and (w.shape[0] // wo_a.groups) % 16 == 0):
         return ops.skinny_grouped_linear(x, w)
     return wo_a(x)
 
