@@ -330,6 +330,17 @@ def fn_terms(fn: torch.Tensor, terms: int) -> torch.Tensor:
     return torch.stack(parts)
 
 
+def _cached_terms(fn: torch.Tensor, terms: int) -> torch.Tensor:
+    """:func:`fn_terms` of a model's mix weights, kept on the tensor itself until it changes
+    in place (``_version``): the split is a constant of the parameter, recomputing it cost
+    5 small launches per mHC call of every prefill step."""
+    key = (fn._version, terms)
+    cached = getattr(fn, "_mhc_fn_terms", None)
+    if cached is None or cached[0] != key:
+        cached = fn._mhc_fn_terms = (key, fn_terms(fn, terms))
+    return cached[1]
+
+
 def _check_streams(streams: torch.Tensor) -> None:
     n = streams.shape[1]
     if streams.dim() != 3 or streams.stride(2) != 1:
@@ -384,7 +395,7 @@ def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
             *mix_args, ROWS=tune.rows_per_program, MIXP=next_pow2(n if head else (2 + n) * n),
             num_warps=tune.rows_warps, **mix_kw)
     elif terms:
-        parts = fn_terms(fn, terms)
+        parts = _cached_terms(fn, terms)
         mix_args = mix_args[:5] + (parts,) + mix_args[6:]
         _mix_kernel[(triton.cdiv(t, tune.tc_block_t), n_splits)](
             *mix_args, parts.stride(0), BLOCK_T=tune.tc_block_t, BLOCK_K=min(tune.tc_block_k, split),

@@ -178,6 +178,22 @@ def test_tensor_core_mix(fresh_seed: int, op: str, split: int, block_t: int) -> 
             assert (a - c).abs().max() <= 2 * (b - c).abs().max() + 1e-5
 
 
+def test_tensor_core_mix_follows_in_place_weight_updates(fresh_seed: int) -> None:
+    """The bf16 slices of fn are cached on the weight tensor; an in-place update (a reload)
+    is seen by the next call."""
+    g = gen(fresh_seed)
+    streams = _streams(g, 20, 96, torch.bfloat16)
+    fn, base, scale = _params(g, 96)
+    with tuned(rows_max_t=0, tc_min_t=1, tc_split=32, tc_block_t=16, tc_block_k=32):
+        hc_pre(streams, fn, base, scale, 3, HC_EPS, EPS)
+        fn.mul_(-1.5)
+        post, comb, x = hc_pre(streams, fn, base, scale, 3, HC_EPS, EPS)
+    post_r, comb_r, x_r = hc_pre_ref(streams, fn, base, scale, 3, HC_EPS, EPS)
+    assert_close(post, post_r, torch.float32)
+    assert_close(comb, comb_r, torch.float32)
+    assert_close(x, x_r, torch.bfloat16)
+
+
 @pytest.mark.parametrize("rows_split,per_program,one_pass", [(32, 1, True), (32, 3, False), (32, 8, True)])
 def test_row_mix_kernel(fresh_seed: int, rows_split: int, per_program: int, one_pass: bool) -> None:
     """Decode-sized steps take the dot-free row mix kernel (a program per stream slice and
