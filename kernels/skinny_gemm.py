@@ -53,13 +53,19 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = dict(config or _config(m))
+    _launch(x, w, y, k, dict(config or _config(m)))
+    return y
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, k: int, cfg: dict[str, int], **group: int) -> None:
+    """The row-tile GEMM over x's rows (row stride ``x.stride(0)``) and w's rows into y;
+    ``group``: GROUP_N / stride_ag of a block-diagonal w."""
+    m, n = y.shape
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     _matmul_nt_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
         CODE=dtype_code(x.dtype), INTERP=interpreting(), EVEN_K=k % bk == 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg)
-    return y
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **group, **cfg)
 
 
 def skinny_linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
@@ -85,9 +91,9 @@ def skinny_grouped_linear(x: torch.Tensor, w: torch.Tensor, config: dict[str, in
     m, g, k = x.shape
     n, rank = w.shape[0], w.shape[0] // g
     cfg = dict(config or _config(m))
-    bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     if config is None:  # column programs never straddle two groups
-        bn = min(bn, rank & -rank)
+        cfg["BLOCK_N"] = min(cfg["BLOCK_N"], rank & -rank)
+    bn = cfg["BLOCK_N"]
     if rank % bn or bn < 16:
         raise ValueError(f"skinny_grouped_linear: rank {rank} per group is not a multiple of {max(bn, 16)} columns")
     if x.stride(2) != 1:
@@ -95,10 +101,7 @@ def skinny_grouped_linear(x: torch.Tensor, w: torch.Tensor, config: dict[str, in
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    _matmul_nt_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
-        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-        CODE=dtype_code(x.dtype), INTERP=interpreting(), EVEN_K=k % bk == 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_N=rank, stride_ag=x.stride(1), **cfg)
+    _launch(x, w, y, k, cfg, GROUP_N=rank, stride_ag=x.stride(1))
     return y
 
 
