@@ -24,8 +24,9 @@ engine's limits allow, the largest first so that the smaller graphs reuse the po
 largest allocated, on dummy steps that write only block 0 / state slot 0 at position 0
 (overwritten or reset before any request reads them); a shape still missing is captured
 the first time a pure-decode step of it runs (after an eager warm-up of the same step,
-which is harmless: every decode write is idempotent). Rows past the real batch repeat row 0 (same request, same slot, same
-position), so they write exactly what row 0 writes and need no dummy block or slot.
+which is harmless: every decode write is idempotent). Rows past the real batch repeat
+row 0 (same request, same slot, same position), so they write exactly what row 0 writes
+and need no dummy block or slot.
 A graph computes the logits of every row; the runner reads the first R. It also reduces
 them to each row's argmax and log-sum-exp (:attr:`FastPath.reduced`), so an all-greedy
 step samples without a launch of its own (the runner's greedy lane).
@@ -149,13 +150,8 @@ class FastPath:
     def _decode_like(self, so: Any) -> bool:
         """Every request continues (not newly admitted) with at most MAX_ROWS tokens: a decode
         token, a token and its drafts (speculative verify), or a short last chunk."""
-        reqs = so.scheduled
-        if not reqs or not self._moe_supported():
-            return False
-        for r in reqs:  # a plain loop: the generator form cost ~90 us per 64-request step on the CPU box
-            if r.is_new or not 1 <= r.num_tokens <= MAX_ROWS:
-                return False
-        return True
+        return bool(so.scheduled) and self._moe_supported() \
+            and all(1 <= r.num_tokens <= MAX_ROWS and not r.is_new for r in so.scheduled)
 
     def _moe_supported(self) -> bool:
         """Every layer's FFN runs on the fused MoE kernel; re-checked only when a layer's FFN
@@ -207,18 +203,25 @@ class FastPath:
         n, width = batch.num_tokens, self._width(so)
         graphed = not eager and self._graphed(so, n)
         rows = next(b for b in BUCKETS if b >= n) if graphed else n
-        inputs = self._inputs.get((rows, width)) if graphed else None
-        if inputs is None:
-            inputs = StepInputs.allocate(rows, width, self.groups, self.device)
-            if graphed:
-                self._inputs[(rows, width)] = inputs
+        inputs = (self._graph_inputs(rows, width) if graphed
+                  else StepInputs.allocate(rows, width, self.groups, self.device))
         copy_to_device(inputs.flat, self._host_inputs(so, width, rows))  # staged: never waits for the stream
         inputs.ids[:n].copy_(batch.input_ids)  # async scheduling gathers placeholders on the device
         if rows > n:
             inputs.ids[n:].copy_(inputs.ids[:1].expand(rows - n))
         self.stats["fast_steps"] += 1
+        return self._meta(inputs, width, graphed, n)
+
+    def _graph_inputs(self, rows: int, width: int) -> StepInputs:
+        """The persistent input buffer a graph of this shape reads (allocated once)."""
+        inputs = self._inputs.get((rows, width))
+        if inputs is None:
+            inputs = self._inputs[(rows, width)] = StepInputs.allocate(rows, width, self.groups, self.device)
+        return inputs
+
+    def _meta(self, inputs: StepInputs, width: int, graphed: bool, n_rows: int) -> DecodeMeta:
         return DecodeMeta(inputs.positions, inputs.slots, inputs.tables, width, self.ops, ids=inputs.ids,
-                          starts=inputs.starts, graphed=graphed, n_rows=n)
+                          starts=inputs.starts, graphed=graphed, n_rows=n_rows)
 
     # ---- warm-up -----------------------------------------------------------------------
     @staticmethod
@@ -244,14 +247,10 @@ class FastPath:
             return 0
         shapes = self.warmup_shapes(max_num_seqs, max_model_len, block_size)
         for rows, width in shapes:
-            inputs = self._inputs.get((rows, width))
-            if inputs is None:
-                inputs = self._inputs[(rows, width)] = StepInputs.allocate(rows, width, self.groups, self.device)
+            inputs = self._graph_inputs(rows, width)
             inputs.flat.zero_()  # ids 0, position 0, slot 0, block 0 for every row ...
             inputs.starts.copy_(torch.arange(rows + 1, dtype=torch.int32, device=self.device))  # one row per group
-            meta = DecodeMeta(inputs.positions, inputs.slots, inputs.tables, width, self.ops, ids=inputs.ids,
-                              starts=inputs.starts, graphed=True, n_rows=rows)
-            self._replay((rows, width), meta, self._logits_reduced)
+            self._replay((rows, width), self._meta(inputs, width, True, rows), self._logits_reduced)
             self.warmed.append((rows, width))
         return len(shapes)
 
