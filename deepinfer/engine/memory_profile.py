@@ -6,7 +6,7 @@ The step is the largest the scheduler can issue: one fresh request of
 engine will use (the fast path on NVIDIA), over a throwaway cache just big enough for
 it, then the float32 logits and log-softmax of ``max_num_seqs`` rows (the sampler's
 widest temporaries). ``torch.cuda.max_memory_allocated`` above the level before the step
-is the activation peak; :func:`deepinfer.engine.kv_sizing.kv_budget_bytes` subtracts it
+is the activation peak (it includes the throwaway cache, so it errs on the safe side); :func:`deepinfer.engine.kv_sizing.kv_budget_bytes` subtracts it
 (plus :data:`GRAPH_RESERVE_BYTES` for the decode CUDA graphs' pool) from
 ``gpu_memory_utilization`` of the device before handing the rest to the KV cache.
 
@@ -21,9 +21,9 @@ import torch
 from deepinfer.config import EngineConfig
 from deepinfer.models.kv_cache import ForwardBatch, SeqMeta, group_names
 
-#: Kept free for the decode CUDA graphs' memory pool (captured after the cache exists:
-#: their activations for up to 256 rows and logits of 256 x 129k float32 take ~0.2 GB at
-#: V4-Flash widths) and allocator fragmentation.
+#: Kept free for the decode CUDA graphs' memory pool (captured after the cache exists) and
+#: allocator fragmentation. Not measured: a margin over the largest graph's logits
+#: (256 rows x 129,280 float32 = 132 MB) plus its activations.
 GRAPH_RESERVE_BYTES = 512 << 20
 
 
