@@ -63,7 +63,7 @@ def instrument(llm) -> None:
 
 
 def _attention_subparts() -> None:
-    """Finer ranges inside attention: projections, compressors, indexer, attention kernel."""
+    """Finer ranges inside attention: the projections and the compressors."""
     from deepinfer.models.fast import prefill_attention as pa
 
     pa.attention_inputs = _ranged("attn.projections", pa.attention_inputs)
