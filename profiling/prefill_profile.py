@@ -6,7 +6,8 @@ request, one step) on a random bf16 model built on the GPU, profiled.
 
 Reports the step's wall time, GPU busy time and launches, the GPU time per model part
 (``record_function`` ranges around each layer's attention, MoE and mHC calls: the kernels
-launched inside each range are charged to it; ``attn.*`` ranges nest inside ``attention``), the host time before the first kernel
+inside each range's span on the device timeline, and the span itself, whose excess over
+the kernels is launch-bound idle time; ``attn.*`` ranges nest inside ``attention``), the host time before the first kernel
 (scheduling, input build, prefill metadata) and the top kernels, with the roofline of
 profiling/fastpath_roofline.py. Writes ``prefill_profile_<size>_<tokens>.json`` and a
 chrome trace (open in Perfetto) under ``--out``.
@@ -38,6 +39,9 @@ PARTS = {
     "attention": ("deepinfer.models.fast.prefill", "attention_prefill"),
     "moe": ("deepinfer.models.fast.forward", "moe_forward"),
 }
+
+
+PART_NAMES = ("attention", "moe", "mhc", "head", "attn.projections", "attn.compressor")
 
 
 def _ranged(label: str, fn):
@@ -101,10 +105,14 @@ def profile_prefill(llm, costs: ModelCosts, tokens: int, out_dir: str, name: str
     for e in kernels:
         by_kernel[e.name][0] += 1
         by_kernel[e.name][1] += e.device_time
-    parts = defaultdict(float)
-    for e in events:  # ranges: GPU time of the kernels launched inside (device_time_total)
-        if e.name in ("attention", "moe", "mhc", "head", "attn.projections", "attn.compressor"):
-            parts[e.name] += e.device_time_total if cuda else e.cpu_time_total
+    # a range's GPU-side copy spans its kernels on the device timeline: its kernel time is the
+    # kernels inside that span (device_time_total of the CPU range also counted nested copies)
+    parts, spans = defaultdict(float), defaultdict(float)
+    for a in events:
+        if a.name in PART_NAMES and (a.device_type == torch.autograd.DeviceType.CUDA or not cuda):
+            lo, hi = a.time_range.start, a.time_range.end
+            spans[a.name] += hi - lo
+            parts[a.name] += sum(k.device_time for k in kernels if lo <= k.time_range.start < hi)
     busy_us = sum(t for _, t in by_kernel.values())
     first_kernel_us = min((e.time_range.start for e in kernels), default=0)
     cpu_start_us = min((e.time_range.start for e in events if e.device_type == torch.autograd.DeviceType.CPU),
@@ -117,6 +125,7 @@ def profile_prefill(llm, costs: ModelCosts, tokens: int, out_dir: str, name: str
         "gpu_busy_ms": round(busy_us / 1e3, 2), "gpu_busy_frac": round(busy_us / 1e3 / max(prof_wall * 1e3, 1e-9), 3),
         "host_before_first_kernel_ms": round((first_kernel_us - cpu_start_us) / 1e3, 2) if kernels else None,
         "parts_gpu_ms": {k: round(v / 1e3, 2) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+        "parts_span_ms": {k: round(v / 1e3, 2) for k, v in sorted(spans.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": k[:90], "calls": c, "ms": round(t / 1e3, 3)} for k, (c, t) in top],
         "trace": os.path.basename(trace),
         **roofline(costs.prefill_bytes(tokens), costs.prefill_flops(tokens), wall),
