@@ -56,7 +56,7 @@ def round_e4m3(x, INTERP: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])  # token counts: one compiled variant for all
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s,
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s, stride_sg,
                       GROUP: tl.constexpr, GROUPS: tl.constexpr, INTERP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
@@ -68,12 +68,14 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s,
     scale = pow2_ceil(amax / 448.0)
     q = round_e4m3(x * (1.0 / scale)[:, None], INTERP)
     tl.store(q_ptr + row * stride_q + cols, q.to(tl.float8e4nv), mask=mask)
-    tl.store(s_ptr + row * stride_s + g, scale, mask=g * GROUP < K)
+    tl.store(s_ptr + row * stride_s + g * stride_sg, scale, mask=g * GROUP < K)
 
 
-def act_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant(x: torch.Tensor, group: int, col_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise x [M, K] (any float dtype, last dim contiguous) per row and group of
-    ``group`` columns (a power of two >= 16): (float8_e4m3fn [M, K], float32 [M, G])."""
+    ``group`` columns (a power of two >= 16): (float8_e4m3fn [M, K], float32 [M, G]).
+    ``col_major_scales``: the scales are a transposed view of a [G, M] buffer (strides
+    (1, M)), the layout cuBLAS's block-scaled FP8 GEMM reads."""
     check_device(x)
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x: expected a 2-D tensor with a contiguous last dim, got shape {tuple(x.shape)} "
@@ -83,12 +85,13 @@ def act_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     n_groups = math.ceil(k / group)
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(m, n_groups, dtype=torch.float32, device=x.device)
+    s = torch.empty(n_groups, m, dtype=torch.float32, device=x.device).t() if col_major_scales else \
+        torch.empty(m, n_groups, dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return q, s
     groups = max(1, min(next_pow2(n_groups), 2048 // group))  # ~2k elements a program
     _act_quant_kernel[(m, triton.cdiv(n_groups, groups))](
-        x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
+        x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
         GROUP=group, GROUPS=groups, INTERP=interpreting(), num_warps=4)
     return q, s
 

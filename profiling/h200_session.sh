@@ -5,6 +5,7 @@
 #   bash profiling/h200_session.sh bench     # 1 GPU, ~9 min: fast path vs reference vs HF (mini, flash4), prefill + FP8
 #   bash profiling/h200_session.sh kernels   # 1 GPU, ~8 min: mHC launch sweep, kernel bench sections, B=64 host profile
 #   bash profiling/h200_session.sh final     # 1 GPU, ~5 min: mini fast path bench, host phases, prefill bench (FP4 experts)
+#   bash profiling/h200_session.sh quant     # 1 GPU, ~6 min: FP8 tuning, flash4 8k prefill bf16 / FP8 / FP4, FP8 profile
 #   bash profiling/h200_session.sh phases    # 1 GPU, ~1 min: host time per engine function per mini decode step
 #   bash profiling/h200_session.sh host      # 1 GPU, ~2 min: engine host time per decode step at B=1 / 64
 #   bash profiling/h200_session.sh features  # 1 GPU, ~9 min: async timeline, batch invariance, spec curve,
@@ -58,6 +59,16 @@ write_tiny_checkpoint('/tmp/mini', seed=0, cfg=mini_like_config('mini'), dtype=t
     logged fastpath 150 python3 profiling/fastpath_bench.py --sizes mini --budget-s 130 --out "$RES"
     logged host_phases 100 python3 profiling/host_phases.py --size mini --batches 1,64 --tokens 128 --out "$RES"
     TAIL=10 logged prefill 120 python3 profiling/prefill_bench.py --out "$RES" --commit "${DEEPINFER_COMMIT:-unknown}"
+    ;;
+  quant)  # 1 GPU, ~6 min: FP8 GEMM / MoE tuning, flash4 8k prefill bf16 / FP8 (checked, w8a8 experts forced
+          # in the check) / FP4 experts, the FP8 prefill profile
+    TAIL=60 logged fp8_tuning 150 python3 profiling/fp8_prefill_tuning.py --out "$RES"
+    for q in bf16 fp8 fp4; do skip=check,decode,profile,hf; [[ $q == fp8 ]] && skip=decode,profile,hf
+        DEEPINFER_CUDA_GRAPH_WARMUP=0 DEEPINFER_MOE_W8A8=$([[ $q == fp8 ]] && echo 1 || echo auto) \
+            logged "fastpath_flash4_$q" 150 python3 profiling/fastpath_bench.py --sizes flash4 \
+            $([[ $q != bf16 ]] && echo --quantize $q) --skip $skip --out "$RES"; done
+    TAIL=40 logged profile_fp8 120 python3 profiling/prefill_profile.py --size flash4 --quantize fp8 --out "$RES"
+    pack
     ;;
   phases)
     logged host_phases 150 python3 profiling/host_phases.py --size mini --batches 1,64 --tokens 128 --out "$RES"

@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results")))
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny shapes, torch-reference kernels")
+    parser.add_argument("--quantize", choices=("fp4", "fp8"), default=None,
+                        help="the official quantized storage, made in memory: FP8 dense + these routed experts")
     args = parser.parse_args(argv)
     if args.tiny:
         os.environ.setdefault("DEEPINFER_FASTPATH", "ref")
@@ -146,6 +148,10 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         cfg, device = {"mini": mini_config, "flash4": flash4_config}[args.size](), "cuda"
     model = build(cfg, device)
+    if args.quantize:
+        from deepinfer.models.quant_online import quantize_linears
+
+        quantize_linears(model, args.quantize, (128, 128))
     costs = ModelCosts.of(model)
     import tempfile
 
@@ -161,9 +167,11 @@ def main(argv: list[str] | None = None) -> dict:
     _attention_subparts()
     os.makedirs(args.out, exist_ok=True)
     res = {"commit": os.environ.get("DEEPINFER_COMMIT") or commit(), "size": args.size, "tiny": args.tiny,
+           "quantized": args.quantize and {"dense": "fp8", "experts": args.quantize},
            "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
-           **profile_prefill(llm, costs, args.tokens, args.out, args.size)}
-    path = os.path.join(args.out, f"prefill_profile_{args.size}_{args.tokens}{'_tiny' if args.tiny else ''}.json")
+           **profile_prefill(llm, costs, args.tokens, args.out, args.size + (args.quantize and '_' + args.quantize or ''))}
+    path = os.path.join(args.out, f"prefill_profile_{args.size}_{args.tokens}{args.quantize and '_' + args.quantize or ''}"
+                        f"{'_tiny' if args.tiny else ''}.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
     print(f"{args.size} prefill {args.tokens}: {res['wall_ms']} ms, {res['tok_s']} tok/s, "

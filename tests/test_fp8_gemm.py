@@ -140,3 +140,45 @@ def test_grouped_scale_blocks_straddling_groups(fresh_seed):
     with pytest.raises(ValueError, match="whole 128-row scale blocks"):
         fp8_gemm(a_q.view(3, -1), a_s.view(3, -1), w_q, w_s, (128, 128), torch.float32, 2)
     assert _rel(fp8_linear(x, w_q, w_s, (128, 128), 2), fp8_linear_ref(x, w_q, w_s, (128, 128), 2)) < 1e-6
+
+
+def test_act_quant_column_major_scales(fresh_seed):
+    """The layout cuBLAS reads: the same scales, stored [G, M] and viewed transposed."""
+    g = torch.Generator().manual_seed(fresh_seed)
+    x = (torch.randn(6, 96, generator=g) * 7).to(torch.bfloat16).to(DEVICE)
+    q_row, s_row = act_quant(x, 32)
+    q_col, s_col = act_quant(x, 32, col_major_scales=True)
+    assert s_col.shape == (6, 3) and s_col.stride() == (1, 6)
+    assert torch.equal(s_col, s_row) and torch.equal(q_col.float(), q_row.float())
+
+
+def test_cublas_choice_and_weight_scales(monkeypatch):
+    """cuBLAS's block-scaled GEMM only for ungrouped (128, 128)-block prefill-sized CUDA
+    problems; the E8M0 bytes it gets are decoded to the same float32 powers of two."""
+    import deepinfer_kernels.fp8_gemm as fg
+
+    cuda = torch.device("cuda")
+    assert not fg.use_cublas(4096, 4096, 4096, (128, 128), 1, cuda)  # the interpreter: never
+    monkeypatch.setattr(fg, "interpreting", lambda: False)
+    assert fg.use_cublas(4096, 4096, 4096, (128, 128), 1, cuda)
+    assert fg.use_cublas(fg.CUBLAS_MIN_ROWS, fg.CUBLAS_MIN_N, 1024, (128, 128), 1, cuda)
+    for args in ((64, 4096, 4096, (128, 128), 1, cuda),  # decode-sized
+                 (4096, 512, 4096, (128, 128), 1, cuda),  # narrow output (slower there)
+                 (4096, 4096, 4096, (32, 32), 1, cuda),  # V4.1 blocks
+                 (4096, 8192, 4096, (128, 128), 8, cuda),  # grouped wo_a
+                 (4096, 4096, 4096, (128, 128), 1, torch.device("cpu"))):
+        assert not fg.use_cublas(*args), args
+    _, w_s = quantize_fp8_block(torch.randn(300, 260) * torch.logspace(-6, 3, 260), (128, 128))
+    assert torch.equal(fg.weight_scales_f32(w_s), e8m0_to_float(w_s).float())
+    assert torch.equal(fg.weight_scales_f32(torch.tensor([[0, 127]], dtype=torch.uint8)),
+                       torch.tensor([[2.0 ** -127, 1.0]]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="cuBLAS block-scaled FP8 needs an sm_90 GPU")
+def test_cublas_fp8_linear_matches_reference(fresh_seed):
+    g = torch.Generator().manual_seed(fresh_seed)
+    w_q, w_s = quantize_fp8_block(torch.randn(2048, 1024, generator=g) * 0.05, (128, 128))
+    x = torch.randn(512, 1024, generator=g).to(torch.bfloat16)
+    out = fp8_linear(x.cuda(), w_q.cuda(), w_s.cuda(), (128, 128)).cpu()
+    assert _rel(out, fp8_linear_ref(x, w_q, w_s, (128, 128))) <= 4e-3

@@ -59,6 +59,7 @@ def kernel_ops(kind: str) -> SimpleNamespace:
     from deepinfer_kernels import compressor_decode as cd
     from deepinfer_kernels import decode_attention as da
     from deepinfer_kernels import fused_moe as fm
+    from deepinfer_kernels import fused_moe_w8a8 as w8
     from deepinfer_kernels import indexer_topk as it
     from deepinfer_kernels import mhc
     from deepinfer_kernels import norm_rope as nr
@@ -71,7 +72,7 @@ def kernel_ops(kind: str) -> SimpleNamespace:
     sfx = "" if kind == "triton" else "_ref"
     mods = {"decode_attention": da, "indexer_topk": it, "router": rt, "fused_moe": fm, "hc_pre": mhc,
             "hc_post_pre": mhc, "hc_head": mhc, "compressor_decode": cd, "norm_rope": nr, "rms_norm": rn,
-            "skinny_linear": sg, "skinny_grouped_linear": sg, "argmax_logsumexp": am}
+            "fused_moe_w8a8": w8, "skinny_linear": sg, "skinny_grouped_linear": sg, "argmax_logsumexp": am}
     return SimpleNamespace(kind=kind, **{name: getattr(mod, name + sfx) for name, mod in mods.items()})
 
 
