@@ -71,11 +71,13 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s, s
     tl.store(s_ptr + row * stride_s + g * stride_sg, scale, mask=g * GROUP < K)
 
 
-def act_quant(x: torch.Tensor, group: int, col_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant(x: torch.Tensor, group: int, col_major_scales: bool = False,
+              pad_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise x [M, K] (any float dtype, last dim contiguous) per row and group of
     ``group`` columns (a power of two >= 16): (float8_e4m3fn [M, K], float32 [M, G]).
     ``col_major_scales``: the scales are a transposed view of a [G, M] buffer (strides
-    (1, M)), the layout cuBLAS's block-scaled FP8 GEMM reads."""
+    (1, M)), the layout cuBLAS's block-scaled FP8 GEMM reads. ``pad_rows``: both outputs
+    get M rounded up to a multiple of it rows, the extra ones zero (scale 1)."""
     check_device(x)
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x: expected a 2-D tensor with a contiguous last dim, got shape {tuple(x.shape)} "
@@ -84,9 +86,13 @@ def act_quant(x: torch.Tensor, group: int, col_major_scales: bool = False) -> tu
         raise ValueError(f"group: expected a power of two >= 16, got {group}")
     m, k = x.shape
     n_groups = math.ceil(k / group)
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(n_groups, m, dtype=torch.float32, device=x.device).t() if col_major_scales else \
-        torch.empty(m, n_groups, dtype=torch.float32, device=x.device)
+    rows = -(-m // pad_rows) * pad_rows
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(n_groups, rows, dtype=torch.float32, device=x.device).t() if col_major_scales else \
+        torch.empty(rows, n_groups, dtype=torch.float32, device=x.device)
+    if rows > m:
+        q[m:].view(torch.uint8).zero_()
+        s[m:].fill_(1.0)
     if m == 0 or k == 0:
         return q, s
     groups = max(1, min(next_pow2(n_groups), 2048 // group))  # ~2k elements a program

@@ -104,8 +104,13 @@ def _config(m: int, gk: int) -> dict[str, int]:
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=min(128, gk), GROUP_M=8, num_warps=8, num_stages=3)
 
 
-#: cuBLAS block-scaled FP8 from this many rows and output columns (H200 measurements above)
-CUBLAS_MIN_ROWS, CUBLAS_MIN_N = 128, 1024
+#: cuBLAS block-scaled FP8 from this many rows and output columns. H200: at 8k rows it wins
+#: every N >= 1024 (1.17-1.56x bf16); at 2k only the widest (wq_b, wo_b) beat the Triton
+#: kernel, at 256 none (each call also costs ~0.12 ms of host time: heuristics, launches)
+CUBLAS_MIN_ROWS, CUBLAS_MIN_N = 2048, 1024
+#: cuBLAS rejects (CUBLAS_STATUS_NOT_SUPPORTED) block-scaled problems whose rows are not a
+#: multiple of 16 (seen at 145 rows): the activations are padded to it
+CUBLAS_ROW_PAD = 16
 
 
 def use_cublas(m: int, n: int, k: int, block: tuple[int, int], groups: int, device: torch.device) -> bool:
@@ -125,6 +130,16 @@ def weight_scales_f32(w_scale: torch.Tensor) -> torch.Tensor:
     return torch.where(b == 0, 0x00400000, b << 23).view(torch.float32)
 
 
+def _cached_scales_f32(w_scale: torch.Tensor) -> torch.Tensor:
+    """:func:`weight_scales_f32`, kept on the scale tensor (a checkpoint's scales do not
+    change; decoding them per call cost launches on every prefill GEMM)."""
+    cached = getattr(w_scale, "_deepinfer_f32", None)
+    if cached is None or cached.device != w_scale.device:
+        cached = weight_scales_f32(w_scale)
+        w_scale._deepinfer_f32 = cached
+    return cached
+
+
 def fp8_gemm_cublas(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                     out_dtype: torch.dtype) -> torch.Tensor:
     """:func:`fp8_gemm` for (128, 128) weight blocks through ``torch._scaled_mm``: a_scale
@@ -132,7 +147,7 @@ def fp8_gemm_cublas(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
     _check(w_q, w_scale, (128, 128))
     # cuBLAS reads both scale tensors outer-dim-major: the weight's [N/128, K/128] transposed
     # is exactly that, the activation's comes that way from act_quant
-    return torch._scaled_mm(a_q, w_q.t(), a_scale, weight_scales_f32(w_scale).t(), out_dtype=out_dtype)
+    return torch._scaled_mm(a_q, w_q.t(), a_scale, _cached_scales_f32(w_scale).t(), out_dtype=out_dtype)
 
 
 def _check(w_q: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]) -> None:
@@ -207,9 +222,10 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, block:
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    if use_cublas(rows.shape[0], w_q.shape[0], rows.shape[1], block, groups, rows.device):
-        a_q, a_s = act_quant(rows, 128, col_major_scales=True)
-        return fp8_gemm_cublas(a_q, a_s, w_q, w_scale, x.dtype).view(*lead, w_q.shape[0])
+    m = rows.shape[0]
+    if use_cublas(m, w_q.shape[0], rows.shape[1], block, groups, rows.device):
+        a_q, a_s = act_quant(rows, 128, col_major_scales=True, pad_rows=CUBLAS_ROW_PAD)
+        return fp8_gemm_cublas(a_q, a_s, w_q, w_scale, x.dtype)[:m].view(*lead, w_q.shape[0])
     a_q, a_s = act_quant(rows, block[1])
     # scale blocks straddling two groups (toy configs: rank < block) take the reference GEMM
     gemm = fp8_gemm if groups == 1 or (w_q.shape[0] // groups) % block[0] == 0 else fp8_gemm_ref

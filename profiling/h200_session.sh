@@ -62,7 +62,9 @@ write_tiny_checkpoint('/tmp/mini', seed=0, cfg=mini_like_config('mini'), dtype=t
     ;;
   quant)  # 1 GPU, ~6 min: FP8 GEMM / MoE tuning, flash4 8k prefill bf16 / FP8 (checked, w8a8 experts forced
           # in the check) / FP4 experts, the FP8 prefill profile
-    TAIL=60 logged fp8_tuning 150 python3 profiling/fp8_prefill_tuning.py --out "$RES"
+    [[ -z "${NO_TUNING:-}" ]] && TAIL=60 logged fp8_tuning 150 python3 profiling/fp8_prefill_tuning.py --out "$RES"
+    TRITON_INTERPRET=0 TAIL=6 logged gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemm.py \
+        tests/kernels/test_fused_moe_w8a8.py
     for q in bf16 fp8 fp4; do skip=check,decode,profile,hf; [[ $q == fp8 ]] && skip=decode,profile,hf
         DEEPINFER_CUDA_GRAPH_WARMUP=0 DEEPINFER_MOE_W8A8=$([[ $q == fp8 ]] && echo 1 || echo auto) \
             logged "fastpath_flash4_$q" 150 python3 profiling/fastpath_bench.py --sizes flash4 \

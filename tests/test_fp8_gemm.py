@@ -150,6 +150,10 @@ def test_act_quant_column_major_scales(fresh_seed):
     q_col, s_col = act_quant(x, 32, col_major_scales=True)
     assert s_col.shape == (6, 3) and s_col.stride() == (1, 6)
     assert torch.equal(s_col, s_row) and torch.equal(q_col.float(), q_row.float())
+    q_pad, s_pad = act_quant(x, 32, col_major_scales=True, pad_rows=16)  # cuBLAS's row multiple
+    assert q_pad.shape == (16, 96) and s_pad.shape == (16, 3) and s_pad.stride() == (1, 16)
+    assert torch.equal(q_pad[:6].float(), q_row.float()) and torch.equal(s_pad[:6], s_row)
+    assert not q_pad[6:].float().any() and torch.equal(s_pad[6:], torch.ones(10, 3))
 
 
 def test_cublas_choice_and_weight_scales(monkeypatch):
@@ -176,9 +180,14 @@ def test_cublas_choice_and_weight_scales(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="cuBLAS block-scaled FP8 needs an sm_90 GPU")
-def test_cublas_fp8_linear_matches_reference(fresh_seed):
+@pytest.mark.parametrize("rows", [2048, 2061])  # 2061: padded to cuBLAS's multiple of 16
+def test_cublas_fp8_linear_matches_reference(fresh_seed, rows):
+    import deepinfer_kernels.fp8_gemm as fg
+
     g = torch.Generator().manual_seed(fresh_seed)
     w_q, w_s = quantize_fp8_block(torch.randn(2048, 1024, generator=g) * 0.05, (128, 128))
-    x = torch.randn(512, 1024, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 1024, generator=g).to(torch.bfloat16)
+    assert fg.use_cublas(rows, 2048, 1024, (128, 128), 1, torch.device("cuda"))
     out = fp8_linear(x.cuda(), w_q.cuda(), w_s.cuda(), (128, 128)).cpu()
+    assert out.shape == (rows, 2048)
     assert _rel(out, fp8_linear_ref(x, w_q, w_s, (128, 128))) <= 4e-3
