@@ -72,6 +72,16 @@ write_tiny_checkpoint('/tmp/mini', seed=0, cfg=mini_like_config('mini'), dtype=t
     TAIL=40 logged profile_fp8 120 python3 profiling/prefill_profile.py --size flash4 --quantize fp8 --out "$RES"
     pack
     ;;
+  fp8check)  # 1 GPU, ~4 min: FP8 GPU tests; the flash4 FP8 check under each expert / dense FP8 numerics
+    ln -sfn "$PWD/kernels" /tmp/site/deepinfer_kernels
+    TRITON_INTERPRET=0 TAIL=6 logged gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemm.py \
+        tests/kernels/test_fused_moe_w8a8.py
+    for v in 0:auto 0:dequant 1:dequant; do
+        DEEPINFER_MOE_W8A8=${v%%:*} DEEPINFER_FP8_GEMM=${v##*:} DEEPINFER_CUDA_GRAPH_WARMUP=0 TAIL=8 \
+            logged "check_w8a8_${v%%:*}_fp8gemm_${v##*:}" 120 python3 profiling/fastpath_bench.py --sizes flash4 \
+            --quantize fp8 --skip decode,profile,hf --out "$RES/${v/:/_}"; done
+    pack
+    ;;
   phases)
     logged host_phases 150 python3 profiling/host_phases.py --size mini --batches 1,64 --tokens 128 --out "$RES"
     ;;
