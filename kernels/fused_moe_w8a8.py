@@ -20,7 +20,7 @@ price of FP8 tensor-core throughput, and are what :func:`fused_moe_w8a8_ref` com
 
 Layout as :func:`fused_moe_quant.fused_moe_fp8`: w1/w3 [E, I, H], w2 [E, H, I]
 float8_e4m3fn, E8M0 byte scales s1/s3 [E, I/b0, H/b1], s2 [E, H/b0, I/b1]; H and I must be
-multiples of b1 (every V4 width is a multiple of 128).
+multiples of b1 >= 32 (every V4 width is a multiple of 128; e4m3 dots need K >= 32).
 """
 
 from __future__ import annotations
@@ -120,9 +120,9 @@ def w8a8_config(n_slots: int, n_experts: int, group: int) -> dict[str, int]:
 def _check_w8a8(x, w1, block) -> tuple[int, int]:
     b0, b1 = block
     h, inter = x.shape[1], w1.shape[1]
-    if h % b1 or inter % b1 or b1 < 16 or b1 & (b1 - 1):
+    if h % b1 or inter % b1 or b1 < 32 or b1 & (b1 - 1):
         raise ValueError(f"block: w8a8 needs H={h} and I={inter} to be multiples of block[1]={b1}, a power of two "
-                         f">= 16 (act_quant's group)")
+                         f">= 32 (act_quant's group; e4m3 tensor-core dots take K >= 32)")
     return b0, b1
 
 
@@ -139,8 +139,8 @@ def fused_moe_w8a8(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
     n_slots = t * k
     cfg = dict(config or w8a8_config(n_slots, n_experts, b1))
     bm, bk, down_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_K"), cfg.pop("DOWN_N")
-    if bk < 16 or bk & (bk - 1) or b1 % bk:
-        raise ValueError(f"config: BLOCK_K={bk} must be a power of two >= 16 dividing block[1]={b1}")
+    if bk < 32 or bk & (bk - 1) or b1 % bk:
+        raise ValueError(f"config: BLOCK_K={bk} must be a power of two >= 32 dividing block[1]={b1}")
     out = torch.empty_like(x)
     if t == 0:
         return out

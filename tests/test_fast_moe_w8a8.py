@@ -33,11 +33,13 @@ def _experts(fmt: str = "fp8", n_experts: int = 8, inter: int = 64, block=(32, 3
     ("0", "fp8", 10_000, 64, False),
     ("1", "fp4", 10_000, 64, False),  # FP4 experts have no w8a8 kernel
     ("1", "fp8", 10_000, 48, False),  # hidden not a multiple of the 32-column scale group
+    ("1", "fp8-g16", 10_000, 64, False),  # 16-column groups: e4m3 dots need K >= 32
 ])
 def test_w8a8_choice(monkeypatch, mode, fmt, rows, hidden, want):
     monkeypatch.setenv("DEEPINFER_MOE_W8A8", mode)
     x, ids = torch.empty(rows, hidden), torch.empty(rows, 2, dtype=torch.int32)
-    assert fast_moe.w8a8_routed(_experts(fmt), x, ids) is want
+    experts = _experts("fp8", block=(32, 16)) if fmt == "fp8-g16" else _experts(fmt)
+    assert fast_moe.w8a8_routed(experts, x, ids) is want
 
 
 def test_w8a8_bad_mode_names_the_variable(monkeypatch):

@@ -67,10 +67,12 @@ def test_fp8_gemm_matches_reference(fresh_seed, m, n, k, block, groups, scale_dt
         out = fp8_gemm(a_q.to(DEVICE), a_s.to(DEVICE), w_q.to(DEVICE), w_s.to(DEVICE), block, dtype, groups).cpu()
         ref = fp8_gemm_ref(a_q, a_s, w_q, w_s, block, dtype, groups)
         assert out.dtype == dtype and out.shape == (m, n)
-        # e4m3 x e4m3 products are exact in float32; only the summation order differs
-        assert _rel(out, ref) <= (1e-6 if dtype == torch.float32 else 4e-3)
+        # e4m3 x e4m3 products are exact in float32; only the summation order differs (and on
+        # an H200 the tensor cores' FP8 accumulation keeps fewer bits: 4e-5-8e-5 measured)
+        assert _rel(out, ref) <= (4e-3 if dtype != torch.float32 else 1e-6 if DEVICE == "cpu" else 2e-4)
         lin = fp8_linear(xd.to(DEVICE), w_q.to(DEVICE), w_s.to(DEVICE), block, groups).cpu()
-        assert _rel(lin, fp8_linear_ref(xd, w_q, w_s, block, groups)) <= (1e-6 if dtype == torch.float32 else 4e-3)
+        assert _rel(lin, fp8_linear_ref(xd, w_q, w_s, block, groups)) <= \
+            (4e-3 if dtype != torch.float32 else 1e-6 if DEVICE == "cpu" else 2e-4)
     # against the dense weight with unquantised activations: only the activations'
     # e4m3 rounding (<= 2^-4 per element, ~2.5% relative on random data) remains
     dense = dequantize_fp8_block(w_q, w_s, block).view(groups, -1, k)
@@ -88,6 +90,10 @@ def _quantized_linear(lin: Linear, seed: int, block: tuple[int, int]) -> Linear:
     return lin
 
 
+CPU_INPUTS = pytest.mark.skipif(DEVICE == "cuda", reason="CPU inputs through the interpreted kernel")
+
+
+@CPU_INPUTS
 @pytest.mark.parametrize("grouped", [False, True])
 def test_linear_dispatch_by_mode(fresh_seed, monkeypatch, grouped):
     lin = GroupedLinear(64, 2 * 32, 2) if grouped else Linear(96, 48)
@@ -130,6 +136,7 @@ def test_quantized_model_w8a8_close_to_dequantized(tmp_path, fresh_seed, monkeyp
     assert agree > 0.5, float(agree)  # measured 0.76
 
 
+@CPU_INPUTS
 def test_grouped_scale_blocks_straddling_groups(fresh_seed):
     """Groups of 16 rows inside 128-row scale blocks (tiny configs): the kernel refuses,
     fp8_linear still computes the same product."""
@@ -153,7 +160,7 @@ def test_act_quant_column_major_scales(fresh_seed):
     q_pad, s_pad = act_quant(x, 32, col_major_scales=True, pad_rows=16)  # cuBLAS's row multiple
     assert q_pad.shape == (16, 96) and s_pad.shape == (16, 3) and s_pad.stride() == (1, 16)
     assert torch.equal(q_pad[:6].float(), q_row.float()) and torch.equal(s_pad[:6], s_row)
-    assert not q_pad[6:].float().any() and torch.equal(s_pad[6:], torch.ones(10, 3))
+    assert not q_pad[6:].float().any() and torch.equal(s_pad[6:].cpu(), torch.ones(10, 3))
 
 
 def test_cublas_choice_and_weight_scales(monkeypatch):
@@ -162,7 +169,7 @@ def test_cublas_choice_and_weight_scales(monkeypatch):
     import deepinfer_kernels.fp8_gemm as fg
 
     cuda = torch.device("cuda")
-    assert not fg.use_cublas(4096, 4096, 4096, (128, 128), 1, cuda)  # the interpreter: never
+    assert fg.use_cublas(4096, 4096, 4096, (128, 128), 1, cuda) == (DEVICE == "cuda")  # the interpreter: never
     monkeypatch.setattr(fg, "interpreting", lambda: False)
     assert fg.use_cublas(4096, 4096, 4096, (128, 128), 1, cuda)
     assert fg.use_cublas(fg.CUBLAS_MIN_ROWS, fg.CUBLAS_MIN_N, 1024, (128, 128), 1, cuda)

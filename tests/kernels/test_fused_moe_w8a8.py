@@ -16,13 +16,13 @@ from test_fused_moe_quant import _fp8  # noqa: E402
 from deepinfer_kernels.fused_moe_quant import fused_moe_fp8  # noqa: E402
 from deepinfer_kernels.fused_moe_w8a8 import fused_moe_w8a8, fused_moe_w8a8_ref  # noqa: E402
 
-# interpreter tiles (w8a8_config): BLOCK_M 16, BLOCK_K min(32, block[1]), down tile 32;
-# block (16, 32) puts two N scale blocks in a down tile, (32, 16) a 16-wide gate/up tile,
-# (64, 64) two K steps per scale group and two down tiles per N scale block.
+# interpreter tiles (w8a8_config): BLOCK_M 16, BLOCK_K 32, down tile 32; block (16, 32)
+# puts two N scale blocks in a down tile, (32, 64) a 64-wide gate/up tile and two K steps
+# per scale group, (64, 64) also two down tiles per N scale block.
 CASES = [
     (9, 64, 64, 5, 3, (32, 32)),
     (11, 96, 64, 6, 2, (16, 32)),
-    (7, 64, 48, 4, 2, (32, 16)),
+    (7, 128, 64, 4, 2, (32, 64)),
     (6, 128, 128, 3, 2, (64, 64)),
 ]
 
@@ -74,4 +74,7 @@ def test_bad_inputs_name_the_argument(fresh_seed: int) -> None:
         fused_moe_w8a8(x, *q, (32, 32), tw, ids, 1.0, config=dict(BLOCK_M=16, BLOCK_K=64, DOWN_N=32))
     with pytest.raises(ValueError, match="s2"):
         fused_moe_w8a8(x, *q[:5], q[5][:, :1], (32, 32), tw, ids, 1.0)
+    x, q, tw, ids, _ = _fp8(fresh_seed, 4, 64, 32, 3, 2, (32, 16))
+    with pytest.raises(ValueError, match="K >= 32"):  # 16-column groups: no e4m3 dot that narrow
+        fused_moe_w8a8(x, *q, (32, 16), tw, ids, 1.0)
     assert DEVICE in ("cpu", "cuda")

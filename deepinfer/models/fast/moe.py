@@ -43,7 +43,7 @@ def w8a8_routed(quantized: Any, x: torch.Tensor, topk_ids: torch.Tensor) -> bool
         raise ConfigError(f"DEEPINFER_MOE_W8A8={mode!r}: expected one of {', '.join(W8A8_MODES)}")
     group = quantized.block[1]
     if quantized.fmt != "fp8" or mode == "0" or batch_invariant.enabled() or \
-            x.shape[1] % group or quantized.w1.shape[1] % group or group < 16 or group & (group - 1):
+            x.shape[1] % group or quantized.w1.shape[1] % group or group < 32 or group & (group - 1):
         return False
     return mode == "1" or (x.is_cuda and topk_ids.numel() >= W8A8_MIN_ROWS_PER_EXPERT * quantized.w1.shape[0])
 
