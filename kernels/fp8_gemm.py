@@ -96,7 +96,7 @@ def _config(m: int, gk: int) -> dict[str, int]:
     """Tiles by token count. Decode (few rows) is weight-read bound: narrow tiles for more
     programs, K steps of 64. Prefill: 128x128 tiles with K steps of a whole 128 scale block
     (H200, 8k rows: 0.94-0.98x cuBLAS bf16 against 0.57-0.75x with K steps of 64;
-    profiling/results/fp8_prefill_tuning_h200.json)."""
+    profiling/results/fp8_prefill_tuning_h200_db38bed.json)."""
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=min(32, gk), GROUP_M=4, num_warps=4, num_stages=1)
     if m <= 64:

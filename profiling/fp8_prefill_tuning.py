@@ -64,7 +64,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def scaled_mm(a_q, a_s_col, w_q, w_s) -> torch.Tensor:
     """cuBLAS block-scaled FP8 through torch (the layout fp8_linear uses; row-major
     activation scales or a contiguous [K/128, N/128] weight-scale copy are rejected:
-    'Invalid scaling configuration', fp8_prefill_tuning_h200.json at 3eecacf)."""
+    'Invalid scaling configuration': fp8_prefill_tuning_h200_3eecacf_layouts.json)."""
     return fp8_gemm_cublas(a_q, a_s_col, w_q, w_s, BF)
 
 
