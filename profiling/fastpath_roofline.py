@@ -4,7 +4,8 @@ REFERENCE.md section 5: 4.2 TB/s copy bandwidth, 800 TFLOP/s bf16 matmul).
 
 Counted from the model object:
 
-* weights: every parameter except the MTP stages, the embedding (only B rows are read)
+* weights: every parameter (a quantized Linear: its stored bytes, its logical parameters
+  for FLOPs) except the MTP stages, the embedding (only B rows are read)
   and the routed experts; routed experts as the expected number of distinct experts B
   tokens touch per layer, ``E * (1 - (1 - k / E) ** B)`` (uniform routing: random weights);
 * KV read per request and layer at context c: the window ``min(c, W)`` rows, HCA entries
@@ -21,6 +22,20 @@ HBM_BYTES_S = 4.2e12
 PEAK_FLOP_S = 800e12
 
 
+def _weights(root, skip: set) -> tuple[int, int]:
+    """(parameters, bytes) of root's weights outside the modules in ``skip`` (ids)."""
+    params = nbytes = 0
+    for mod in root.modules():
+        if id(mod) in skip:
+            continue
+        for p in mod.parameters(recurse=False):
+            params, nbytes = params + p.numel(), nbytes + p.numel() * p.element_size()
+        q = getattr(mod, "quantized", None)
+        if q is not None and mod._parameters.get("weight") is None:
+            params, nbytes = params + mod.in_features * mod.out_features, nbytes + q.nbytes()
+    return params, nbytes
+
+
 @dataclass
 class ModelCosts:
     dense_bytes: int  # weights read every step whatever the batch (incl. shared experts, head)
@@ -34,15 +49,16 @@ class ModelCosts:
 
     @classmethod
     def of(cls, model) -> ModelCosts:
+        """Costs of ``model``; Linears that keep only checkpoint bytes (FP8 / FP4) count their
+        logical parameters for FLOPs and their stored bytes (data + scales) for traffic."""
         cfg = model.cfg
-        skip = {id(p) for p in model.mtp.parameters()} | {id(model.embed.weight)}
-        routed = {id(p) for layer in model.layers for ex in layer.ffn.experts for p in ex.parameters()}
-        dense = [p for p in model.parameters() if id(p) not in skip and id(p) not in routed]
+        skip = {id(m) for m in model.mtp.modules()} | {id(model.embed)}
+        routed = {id(m) for layer in model.layers for ex in layer.ffn.experts for m in ex.modules()}
+        dense_params, dense_bytes = _weights(model, skip | routed)
         ex = model.layers[0].ffn.experts[0]
-        expert_params = sum(p.numel() for p in ex.parameters())
-        return cls(sum(p.numel() * p.element_size() for p in dense), expert_params * ex.w1.weight.element_size(),
-                   sum(p.numel() for p in dense), expert_params, cfg.n_routed_experts, cfg.num_experts_per_tok,
-                   model.embed.weight.element_size(), cfg)
+        expert_params, expert_bytes = _weights(ex, set())
+        return cls(dense_bytes, expert_bytes, dense_params, expert_params, cfg.n_routed_experts,
+                   cfg.num_experts_per_tok, model.embed.weight.element_size(), cfg)
 
     def _keys(self, ctx: int, ratio: int) -> tuple[int, int]:
         """(attention keys, indexer keys) of one query at context length ctx in a layer."""

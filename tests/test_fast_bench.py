@@ -49,3 +49,21 @@ def test_bench_tiny_quantized_in_memory(tmp_path, monkeypatch):
     assert "check_engine" not in mini and "hf" not in mini
     assert [r["path"] for r in mini["prefill"]] == ["fast_prefill", "fast_prefill"]
     assert all(r["tok_s"] > 0 for r in mini["decode"])
+    # the roofline counts the quantized experts' stored bytes (bf16 would be 2 bytes a weight)
+    assert 0 < mini["expert_bytes"] < mini["config"]["hidden_size"] * mini["config"]["moe_intermediate_size"] * 3 * 2
+
+
+def test_roofline_costs_of_a_quantized_model():
+    """Quantizing keeps the FLOPs (logical parameters) and cuts the weight bytes."""
+    from fastpath_roofline import ModelCosts
+
+    from deepinfer.models.quant_online import quantize_linears
+
+    model = fastpath_bench.build(fastpath_bench.tiny_sizes()["mini"](), "cpu")
+    dense = ModelCosts.of(model)
+    quantize_linears(model, "fp4", (32, 32))
+    quant = ModelCosts.of(model)
+    assert (quant.dense_params, quant.expert_params) == (dense.dense_params, dense.expert_params)
+    assert quant.prefill_flops(64) == dense.prefill_flops(64)
+    assert dense.expert_bytes / quant.expert_bytes > 3  # bf16 -> FP4 + one E8M0 scale per 32
+    assert quant.dense_bytes < dense.dense_bytes
