@@ -119,9 +119,13 @@ def bench_dense(rows: list, m: int, smoke: bool, tiles: bool) -> None:
         del w, w_q, w_s, w_d, x, a_q, a_s, ref
 
 
-def bench_moe(rows: list, t: int, smoke: bool, tiles: bool) -> None:
+#: (hidden, intermediate, experts, top-k) of the MoE widths
+MOE_WIDTHS = {"flash": (4096, 2048, 256, 6), "mini": (1024, 512, 64, 6)}
+
+
+def bench_moe(rows: list, t: int, smoke: bool, tiles: bool, widths: str = "flash") -> None:
     dev = kb.DEV
-    h, inter, e, k = (64, 64, 8, 2) if smoke else (4096, 2048, 256, 6)
+    h, inter, e, k = (64, 64, 8, 2) if smoke else MOE_WIDTHS[widths]
     block = (32, 32) if smoke else (128, 128)
     q = {n: [] for n in ("w1", "w3", "w2", "s1", "s3", "s2", "d1", "d3", "d2")}
     for wn, shape in (("1", (inter, h)), ("3", (inter, h)), ("2", (h, inter))):
@@ -159,17 +163,19 @@ def main(argv: list[str] | None = None) -> list:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="8192,2048,256", help="dense rows (tiles swept at the first)")
     ap.add_argument("--moe-tokens", default="8192,2048,512,256", help="MoE tokens (tiles swept at the first two)")
+    ap.add_argument("--moe-widths", default="flash", choices=sorted(MOE_WIDTHS))
+    ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, Triton interpreter")
     args = ap.parse_args(argv)
     if args.smoke:
         kb.DEV = "cpu"
     rows: list = []
-    dense_m = [40] if args.smoke else [int(v) for v in args.tokens.split(",")]
+    dense_m = [] if args.skip_dense else [40] if args.smoke else [int(v) for v in args.tokens.split(",")]
     moe_t = [9] if args.smoke else [int(v) for v in args.moe_tokens.split(",")]
     for section, fn in (*((f"dense_{m}", (lambda m=m, i=i: bench_dense(rows, m, args.smoke, i == 0)))
                           for i, m in enumerate(dense_m)),
-                        *((f"moe_{t}", (lambda t=t, i=i: bench_moe(rows, t, args.smoke, i < 2)))
+                        *((f"moe_{t}", (lambda t=t, i=i: bench_moe(rows, t, args.smoke, i < 2, args.moe_widths)))
                           for i, t in enumerate(moe_t))):
         try:
             fn()
@@ -180,7 +186,7 @@ def main(argv: list[str] | None = None) -> list:
             torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     dev = "cpu" if args.smoke else torch.cuda.get_device_name(0).replace(" ", "_").lower()
-    path = os.path.join(args.out, f"fp8_prefill_tuning_{dev}.json")
+    path = os.path.join(args.out, f"fp8_prefill_tuning_{dev}{'' if args.moe_widths == 'flash' else '_' + args.moe_widths}.json")
     with open(path, "w") as f:
         json.dump({"commit": os.environ.get("DEEPINFER_COMMIT", "unknown"), "torch": torch.__version__,
                    "rows": rows}, f, indent=1)

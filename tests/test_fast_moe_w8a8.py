@@ -42,6 +42,15 @@ def test_w8a8_choice(monkeypatch, mode, fmt, rows, hidden, want):
     assert fast_moe.w8a8_routed(experts, x, ids) is want
 
 
+def test_w8a8_auto_choice():
+    """auto: CUDA, prefill-sized per expert, V4-Flash-wide experts (measured faster there)."""
+    rows, e, wide = fast_moe.W8A8_MIN_ROWS_PER_EXPERT, 256, fast_moe.W8A8_MIN_INTER
+    assert fast_moe.w8a8_auto(True, rows * e, e, wide)
+    assert not fast_moe.w8a8_auto(True, rows * e - 1, e, wide)  # decode-sized
+    assert not fast_moe.w8a8_auto(True, rows * e, e, 512)  # mini's experts: slower there
+    assert not fast_moe.w8a8_auto(False, rows * e, e, wide)
+
+
 def test_w8a8_bad_mode_names_the_variable(monkeypatch):
     monkeypatch.setenv("DEEPINFER_MOE_W8A8", "yes")
     with pytest.raises(ConfigError, match="DEEPINFER_MOE_W8A8='yes'.*auto, 0, 1"):

@@ -12,8 +12,8 @@ official V4 layout) run the weight-only quantized kernels
 the reference's dequantized weights); the shared expert (FP8 in checkpoints) then runs
 its own Linears after them, as the reference adds it. Prefill-sized steps on FP8 experts
 quantize the activations too and run both GEMMs in FP8 (``fused_moe_w8a8``: 1.8x the
-weight-only kernel and 1.1x bf16 at 8k tokens on an H200), the numerics the dense FP8
-linears already have; ``DEEPINFER_MOE_W8A8`` picks.
+weight-only kernel and 1.1x bf16 at 8k tokens on an H200, V4-Flash widths), the numerics
+the dense FP8 linears already have; ``DEEPINFER_MOE_W8A8`` picks.
 """
 
 from __future__ import annotations
@@ -29,10 +29,20 @@ from deepinfer.config import register_env_var
 
 W8A8_MODES = ("auto", "0", "1")
 #: auto takes w8a8 from this many routed rows per expert (decode batches stay weight-only,
-#: bound by weight reads, where the activation quantization would only add a launch)
+#: bound by weight reads, where the activation quantization would only add a launch) ...
 W8A8_MIN_ROWS_PER_EXPERT = 16
+#: ... for experts at least this wide: measured faster at V4-Flash's 2048 (flash4 8k prefill
+#: 125.6-131.0k tok/s against 96.3k weight-only), slower at mini's 512 (85.4k against 133.5k,
+#: forced; not yet profiled), so auto leaves narrower experts weight-only
+W8A8_MIN_INTER = 2048
 register_env_var("DEEPINFER_MOE_W8A8", "auto|0|1: FP8 routed experts with FP8 activations (auto = CUDA steps with "
-                 f">= {W8A8_MIN_ROWS_PER_EXPERT} rows per expert; 0 = weight-only always; 1 = every step)")
+                 f">= {W8A8_MIN_ROWS_PER_EXPERT} rows per expert, experts >= {W8A8_MIN_INTER} wide; 0 = weight-only "
+                 "always; 1 = every step)")
+
+
+def w8a8_auto(is_cuda: bool, n_slots: int, n_experts: int, inter: int) -> bool:
+    """auto's choice: a CUDA step, prefill-sized per expert, on experts wide enough."""
+    return is_cuda and n_slots >= W8A8_MIN_ROWS_PER_EXPERT * n_experts and inter >= W8A8_MIN_INTER
 
 
 def w8a8_routed(quantized: Any, x: torch.Tensor, topk_ids: torch.Tensor) -> bool:
@@ -45,7 +55,7 @@ def w8a8_routed(quantized: Any, x: torch.Tensor, topk_ids: torch.Tensor) -> bool
     if quantized.fmt != "fp8" or mode == "0" or batch_invariant.enabled() or \
             x.shape[1] % group or quantized.w1.shape[1] % group or group < 32 or group & (group - 1):
         return False
-    return mode == "1" or (x.is_cuda and topk_ids.numel() >= W8A8_MIN_ROWS_PER_EXPERT * quantized.w1.shape[0])
+    return mode == "1" or w8a8_auto(x.is_cuda, topk_ids.numel(), quantized.w1.shape[0], quantized.w1.shape[1])
 
 
 def _experts(moe: torch.nn.Module) -> list[torch.nn.Module]:
