@@ -81,11 +81,17 @@ def test_two_ranks_match_single_process_through_rebalances(ckpt, batch, referenc
         llm.shutdown()
 
 
-def test_four_ranks_with_idle_ranks(ckpt, batch, reference) -> None:
+def test_four_ranks_with_idle_ranks(ckpt, batch, reference, monkeypatch) -> None:
     prompts, params = batch
+    monkeypatch.setenv("DEEPINFER_EP_TIMING", "1")  # the ranks time their all-to-alls
     with LLM(ckpt, data_parallel_size=4, expert_parallel_size=4, num_redundant_experts=4,
              eplb_rebalance_interval=3, dp_split="tokens", **KW) as llm:
         assert tokens(llm, prompts, params) == reference
+        stats = llm.comm_stats()
+        # every rank joins both all-to-alls of every MoE layer of every step, idle or not
+        assert len(stats) == 4 and len({s["calls"] for s in stats}) == 1 and stats[0]["calls"] % 2 == 0
+        assert all(s["calls"] > 0 and s["seconds"] > 0 and s["bytes"] > 0 for s in stats)
+        assert llm.comm_stats()[0]["calls"] == 0, "read resets"
         assert llm.rebalance_reports(), "rebalanced during generate()"
         assert tokens(llm, prompts[:1], params[:1]) == reference[:1], "three ranks idle: dummy MoE batches"
         assert tokens(llm, prompts, params) == reference

@@ -9,10 +9,13 @@ on the survivors instead of a hang.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+
+from .comm_timing import AllToAllTimer
 
 __all__ = ["EPComm"]
 
@@ -26,6 +29,8 @@ class EPComm:
             self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         else:
             self.rank, self.world_size = 0, 1
+        #: all-to-all time / bytes, when DEEPINFER_EP_TIMING=1 (the EP benchmark)
+        self.timer = AllToAllTimer() if os.environ.get("DEEPINFER_EP_TIMING", "0") == "1" else None
 
     @property
     def distributed(self) -> bool:
@@ -37,7 +42,10 @@ class EPComm:
         if not self.distributed:
             return x
         out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        token = self.timer.start(x) if self.timer is not None else None
         dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=self.group)
+        if self.timer is not None:
+            self.timer.stop(token, (x.numel() + out.numel()) * x.element_size())
         return out
 
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:

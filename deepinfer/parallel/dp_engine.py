@@ -260,5 +260,10 @@ class DPLLM(LLM):
         rank = phys.reshape(phys.shape[0], phys.shape[1], placement.num_ranks, placement.slots_per_rank).sum(axis=3)
         return {**data, "placement": placement, "rank": rank}
 
+    def comm_stats(self) -> list[dict[str, float] | None]:
+        """Each rank's all-to-all ``seconds`` / ``calls`` / ``bytes`` since the last call
+        (None per rank unless the ranks started with ``DEEPINFER_EP_TIMING=1``)."""
+        return self._call("comm_stats")
+
     def rebalance_reports(self) -> list[RebalanceReport]:
         return self._call("reports", ranks=[0])[0]

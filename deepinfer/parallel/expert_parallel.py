@@ -13,6 +13,11 @@ tiles, as the reference's ``Linear`` does in the mode), so a token's output is t
 bits whatever the other tokens, on whichever rank its experts run, and equals the
 single-process MoE in the mode where that runs its torch loop (no "moe" kernel
 registered for the device).
+
+On CUDA (outside that mode) the local slots run as one fused MoE launch
+(``deepinfer_kernels.fused_moe``: every received row routed to its slot with weight 1,
+the same rounding points as the loop) instead of a host loop of per-slot GEMMs;
+``fused_local`` forces either (tests run the kernel under the Triton interpreter).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from deepinfer import batch_invariant
 from deepinfer.models import invariant_ops
 from deepinfer.models.moe import MoE, clipped_swiglu
 from deepinfer.parallel.comm import EPComm
@@ -105,6 +111,8 @@ class ExpertParallelMoE(nn.Module):
             stacked = torch.stack([getattr(moe.experts[e], name).weight.detach() for e in local])
             self.register_buffer(name, stacked.clone(), persistent=False)
         self.set_row(row)
+        #: local slots through the fused MoE kernel: None = on CUDA outside batch-invariant mode
+        self.fused_local: bool | None = None
 
     def set_row(self, row: torch.Tensor) -> None:
         """Adopt placement row ``row`` (phy2log [P]) for routing; weights must match it."""
@@ -128,6 +136,9 @@ class ExpertParallelMoE(nn.Module):
     def _run_local(self, x: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
         """Rows received from each source rank, each block sorted by local slot with
         ``counts[src][slot]`` rows per slot -> expert outputs in the same order."""
+        fused = self.fused_local if self.fused_local is not None else x.is_cuda and not batch_invariant.enabled()
+        if fused and x.shape[0]:
+            return self._run_local_fused(x, counts)
         out = torch.empty_like(x)
         starts, offset = [], 0
         for per_slot in counts:
@@ -143,6 +154,19 @@ class ExpertParallelMoE(nn.Module):
                 idx = torch.cat(pieces)
                 out[idx] = self._expert(s, x[idx])
         return out
+
+    def _run_local_fused(self, x: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+        """:meth:`_run_local` in one fused MoE launch: row i goes to its local slot, weight 1."""
+        from deepinfer.models.fast.decode import _ensure_kernels_importable
+
+        _ensure_kernels_importable()
+        from deepinfer_kernels.fused_moe import fused_moe
+
+        per = torch.tensor(counts, dtype=torch.int64).flatten()  # [src * slots]: rows per (source, slot)
+        slot = torch.arange(self.slots_per_rank).repeat(len(counts))
+        ids = torch.repeat_interleave(slot, per).to(device=x.device, dtype=torch.int32)[:, None]
+        ones = torch.ones(ids.shape, dtype=x.dtype, device=x.device)
+        return fused_moe(x, self.w1, self.w3, self.w2, ones, ids, self.limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [T, D] (T may be 0 on an idle rank: it still joins both all-to-alls)."""

@@ -125,6 +125,8 @@ def _handle(engine: Any, cmd: str, payload: Any) -> Any:
     if cmd == "info":
         return {"config": engine.config, "model_config": engine.model_config, "model_dir": engine.model_dir,
                 "placement": engine.eplb.placement.to_dict() if engine.eplb else None}
+    if cmd == "comm_stats":  # this rank's all-to-all totals (DEEPINFER_EP_TIMING=1), then reset
+        return None if engine.comm.timer is None else engine.comm.timer.read(reset=True)
     if engine.eplb is None:
         raise ConfigError(f"{cmd!r} needs expert parallelism (expert_parallel_size > 1)")
     if cmd == "placement":
