@@ -46,17 +46,7 @@ from fastpath_check import check_engine, check_layers, check_prefill, set_mode, 
 from fastpath_roofline import ModelCosts, roofline  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
-from deepinfer.models.tiny import init_random, mini_config, tiny_config  # noqa: E402
-
-
-def flash4_config(**overrides):
-    """V4-Flash widths with 4 layers (HCA, HCA, CSA, HCA; 3 hash layers): 27.4B params."""
-    base = dict(hidden_size=4096, num_hidden_layers=4, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64,
-                q_lora_rank=1024, o_groups=8, o_lora_rank=1024, n_routed_experts=256, moe_intermediate_size=2048,
-                num_experts_per_tok=6, index_n_heads=64, index_head_dim=128, index_topk=512, sliding_window=128,
-                compress_ratios=[128, 128, 4, 128], num_hash_layers=3, torch_dtype="bfloat16")
-    base.update(overrides)
-    return tiny_config(**base)
+from deepinfer.models.tiny import flash4_config, init_random, mini_config, tiny_config  # noqa: E402, F401
 
 
 def tiny_sizes() -> dict:

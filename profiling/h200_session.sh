@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One lent-GPU session's measurements, in one command per part (each under 10 minutes):
-#   bash profiling/h200_session.sh ep        # 2+ GPUs: EP == single GPU, EP bench before/after EPLB
+#   RANKS=2 bash profiling/h200_session.sh ep        # 2 / 4 GPUs: EP == single GPU, mini EP bench (b64/256, 8k)
+#   RANKS=2 bash profiling/h200_session.sh ep_flash  # 2 / 4 GPUs: flash4-width EP bench, skewed + balanced
 #   bash profiling/h200_session.sh single    # 1 GPU: structured mask, spec step curve, V4.1 replay, batch-invariant cost
 #   bash profiling/h200_session.sh bench     # 1 GPU, ~9 min: fast path vs reference vs HF (mini, flash4), prefill + FP8
 #   bash profiling/h200_session.sh kernels   # 1 GPU, ~8 min: mHC launch sweep, kernel bench sections, B=64 host profile
@@ -25,10 +26,20 @@ logged() { local name=$1 limit=$2; shift 2; mkdir -p "$RES"; echo "== [$name] $*
     grep -v "Loading weights\|no tokenizer.json\|USDT\|it/s\]" "$RES/$name.log" | tail -${TAIL:-14}; }
 pack() { tar czf "$OUT/results.tgz" -C "$RES" . && ls -la "$OUT"; }
 case "${1:-single}" in
-  ep)
-    run 200 python3 profiling/ep_gpu_check.py --ranks 2 --size mini
-    run 300 python3 profiling/ep_bench.py --ranks 2 --size mini --dtype bfloat16 --prefill-requests 8 \
-        --prefill-len 1024 --decode-requests 64 --decode-tokens 16 --repeats 2 --out "$OUT"
+  ep)  # RANKS (2 or 4) GPUs: EP == single GPU on a mixed batch; mini EP decode at 64 / 256 per rank and an
+       # 8k-token prefill per rank, skewed routing before / after EPLB, then balanced routing
+    R=${RANKS:-2}
+    run 200 python3 profiling/ep_gpu_check.py --ranks $R --size mini
+    for b in 64 256; do run 280 python3 profiling/ep_bench.py --ranks $R --size mini --dtype bfloat16 \
+        --prefill-len 8192 --decode-batch-per-rank $b --decode-tokens 16 --repeats 2 --out "$OUT"; done
+    run 280 python3 profiling/ep_bench.py --ranks $R --size mini --dtype bfloat16 --routing balanced \
+        --prefill-len 8192 --decode-batch-per-rank 64 --decode-tokens 16 --repeats 2 --out "$OUT"
+    ;;
+  ep_flash)  # RANKS GPUs: the same on two V4-Flash-width layers (256 experts x 2048; a 26 GB checkpoint)
+    R=${RANKS:-2}
+    for routing in skewed balanced; do run 550 python3 profiling/ep_bench.py --ranks $R --size flash4w \
+        --dtype bfloat16 --routing $routing --prefill-len 8192 --decode-batch-per-rank 64 --decode-tokens 16 \
+        --repeats 2 --out "$OUT"; done
     ;;
   single)
     run 90 python3 profiling/structured_mask_overhead.py --device cuda --out "$OUT"

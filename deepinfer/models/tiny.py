@@ -61,6 +61,17 @@ def mini_config(**overrides: object) -> DeepseekV4Config:
     return tiny_config(**base)
 
 
+def flash4_config(**overrides: object) -> DeepseekV4Config:
+    """V4-Flash widths with 4 layers (HCA, HCA, CSA, HCA; 3 hash layers): 27.4B params with
+    random weights; the benchmarks' stand-in for V4-Flash's per-layer costs."""
+    base = dict(hidden_size=4096, num_hidden_layers=4, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64,
+                q_lora_rank=1024, o_groups=8, o_lora_rank=1024, n_routed_experts=256, moe_intermediate_size=2048,
+                num_experts_per_tok=6, index_n_heads=64, index_head_dim=128, index_topk=512, sliding_window=128,
+                compress_ratios=[128, 128, 4, 128], num_hash_layers=3, torch_dtype="bfloat16")
+    base.update(overrides)
+    return tiny_config(**base)
+
+
 def tiny_dspark_config(**overrides: object) -> DeepseekV4Config:
     """deepinfer-tiny with a 3-stage DSpark drafter (block 5, Markov rank 16) instead of MTP."""
     base = dict(num_nextn_predict_layers=3, mtp_compress_ratios=[0, 0, 0], dspark_block_size=5,

@@ -15,19 +15,27 @@ import torch
 
 from deepinfer.models.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4 import DeepseekV4Model
-from deepinfer.models.tiny import mini_config, init_random, save_checkpoint, tiny_config
+from deepinfer.models.tiny import flash4_config, init_random, mini_config, save_checkpoint, tiny_config
 
-__all__ = ["mini_like_config", "force_hot_experts", "write_skewed_checkpoint"]
+__all__ = ["EP_SIZES", "mini_like_config", "force_hot_experts", "write_skewed_checkpoint"]
+
+
+EP_SIZES = ("mini-cpu", "mini", "flash4w")
 
 
 def mini_like_config(size: str = "mini-cpu", vocab_size: int | None = None) -> DeepseekV4Config:
     """``mini`` (REFERENCE.md section 5: hidden 1024, 8 layers, 16 heads x 512, 64 experts
-    x 512, top-6) or ``mini-cpu``: the same MoE shape (64 experts, top-6, hash + routed layers)
-    at widths that gloo ranks on a small CPU box get through in seconds."""
+    x 512, top-6); ``flash4w``: two V4-Flash-width layers (a hash layer and a CSA layer of
+    ``flash4``: 256 experts x 2048 top-6, hidden 4096; 13B params, 26 GB in bf16); or
+    ``mini-cpu``: mini's MoE shape (64 experts, top-6, hash + routed layers) at widths that
+    gloo ranks on a small CPU box get through in seconds."""
+    vocab = {"vocab_size": vocab_size} if vocab_size is not None else {}
     if size == "mini":
-        return mini_config(**({"vocab_size": vocab_size} if vocab_size is not None else {}))
+        return mini_config(**vocab)
+    if size == "flash4w":
+        return flash4_config(num_hidden_layers=2, compress_ratios=[128, 4], num_hash_layers=1, **vocab)
     if size != "mini-cpu":
-        raise ValueError(f"size must be 'mini' or 'mini-cpu', got {size!r}")
+        raise ValueError(f"size must be one of {', '.join(EP_SIZES)}, got {size!r}")
     return tiny_config(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, head_dim=64, qk_rope_head_dim=16,
                        q_lora_rank=128, o_groups=2, o_lora_rank=64, n_routed_experts=64, moe_intermediate_size=128,
                        num_experts_per_tok=6, index_n_heads=4, index_head_dim=32, index_topk=64, sliding_window=128,
@@ -59,8 +67,10 @@ def force_hot_experts(model: DeepseekV4Model, hot: Sequence[int], bias: float = 
 
 def write_skewed_checkpoint(path: str, cfg: DeepseekV4Config, hot: Sequence[int], seed: int = 0,
                             dtype: torch.dtype = torch.float32, bias: float = 2.0) -> str:
-    """A random checkpoint (as `write_tiny_checkpoint`) whose routing favours ``hot``."""
+    """A random checkpoint (as `write_tiny_checkpoint`) whose routing favours ``hot`` (none:
+    the random weights' near-uniform routing)."""
     model = DeepseekV4Model(cfg, dtype)
     init_random(model, seed)
-    force_hot_experts(model, hot, bias)
+    if hot:
+        force_hot_experts(model, hot, bias)
     return save_checkpoint(model, path)
