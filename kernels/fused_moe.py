@@ -25,18 +25,37 @@ from ._common import check_device, dtype_code, interpreting, next_pow2, round_to
 from .moe_align import moe_align
 
 
+@triton.jit
+def block_slots(block_expert_ptr, sorted_ptr, n_slots, BLOCK_M: tl.constexpr):
+    """Program pid_m's expert (-1: no work) and its BLOCK_M flat slots (int64, 0 where
+    padding) with their validity, from the :func:`moe_align` buffers."""
+    pid_m = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = slots < n_slots
+    return e, tl.where(valid, slots, 0).to(tl.int64), valid
+
+
+@triton.jit
+def clipped_swiglu_rounded(acc_g, acc_u, limit, CODE: tl.constexpr, INTERP: tl.constexpr):
+    """``round(round(silu(min(g, L))) * clamp(u, -L, L))`` of the float32 gate / up sums,
+    with the reference's roundings to the activation dtype."""
+    g = tl.minimum(round_to(acc_g, CODE, INTERP), limit)
+    u = tl.minimum(tl.maximum(round_to(acc_u, CODE, INTERP), -limit), limit)
+    silu = round_to(g / (1.0 + tl.exp(-g)), CODE, INTERP)
+    return round_to(silu * u, CODE, INTERP)
+
+
 @triton.jit(do_not_specialize=["n_slots"])
 def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, act_ptr, sorted_ptr, block_expert_ptr, n_slots, H, I,
                     stride_x, stride_we, stride_wn, limit,
                     TOPK: tl.constexpr, CODE: tl.constexpr, INTERP: tl.constexpr, EVEN_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
+    pid_n = tl.program_id(0)
+    e, slots, valid = block_slots(block_expert_ptr, sorted_ptr, n_slots, BLOCK_M)
     if e < 0:
         return
-    slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = slots < n_slots
-    toks = tl.where(valid, slots // TOPK, 0).to(tl.int64)
+    toks = slots // TOPK
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + toks[:, None] * stride_x + k[None, :]
@@ -60,11 +79,8 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, act_ptr, sorted_ptr, block_expert_ptr
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    g = tl.minimum(round_to(acc_g, CODE, INTERP), limit)
-    u = tl.minimum(tl.maximum(round_to(acc_u, CODE, INTERP), -limit), limit)
-    silu = round_to(g / (1.0 + tl.exp(-g)), CODE, INTERP)
-    act = round_to(silu * u, CODE, INTERP)
-    out = act_ptr + slots[:, None].to(tl.int64) * I + n[None, :]
+    act = clipped_swiglu_rounded(acc_g, acc_u, limit, CODE, INTERP)
+    out = act_ptr + slots[:, None] * I + n[None, :]
     tl.store(out, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & nmask)
 
 
@@ -73,13 +89,10 @@ def _down_kernel(act_ptr, w2_ptr, topw_ptr, y_ptr, sorted_ptr, block_expert_ptr,
                  stride_we, stride_wn,
                  CODE: tl.constexpr, INTERP: tl.constexpr, EVEN_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
+    pid_n = tl.program_id(0)
+    e, rows, valid = block_slots(block_expert_ptr, sorted_ptr, n_slots, BLOCK_M)
     if e < 0:
         return
-    slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = slots < n_slots
-    rows = tl.where(valid, slots, 0).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None] * I + k[None, :]

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_device, dtype_code, interpreting, mma, next_pow2, round_to
-from .fused_moe import _combine_kernel, _config, fused_moe_ref
+from .fused_moe import _combine_kernel, _config, block_slots, clipped_swiglu_rounded, fused_moe_ref
 from .moe_align import moe_align
 
 _E8M0_DTYPES = tuple(d for d in (torch.uint8, getattr(torch, "float8_e8m0fnu", None)) if d is not None)
@@ -93,13 +93,10 @@ def _expert_gemm_kernel(a_ptr, w_ptr, w3_ptr, s_ptr, s3_ptr, topw_ptr, out_ptr, 
     """GATE_UP: act = clipped SwiGLU(x W1^T, x W3^T) (K = H, N = I, rows = tokens);
     else the down projection y = round(act W2^T) * w (K = I, N = H, rows = slots, TOPK = 1).
     The loops and epilogues of fused_moe's _gate_up_kernel / _down_kernel."""
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
+    pid_n = tl.program_id(0)
+    e, slots, valid = block_slots(block_expert_ptr, sorted_ptr, n_slots, BLOCK_M)
     if e < 0:
         return
-    slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = slots < n_slots
-    slots = tl.where(valid, slots, 0).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     k = tl.arange(0, BLOCK_K)
@@ -121,10 +118,7 @@ def _expert_gemm_kernel(a_ptr, w_ptr, w3_ptr, s_ptr, s3_ptr, topw_ptr, out_ptr, 
                               FP4, SB_N, SB_K, SMODE, EVEN_K, INTERP, BLOCK_M, BLOCK_N, BLOCK_K)
         a_ptrs += BLOCK_K
     if GATE_UP:
-        g = tl.minimum(round_to(acc, CODE, INTERP), limit)
-        u = tl.minimum(tl.maximum(round_to(acc_u, CODE, INTERP), -limit), limit)
-        silu = round_to(g / (1.0 + tl.exp(-g)), CODE, INTERP)
-        y = round_to(silu * u, CODE, INTERP)
+        y = clipped_swiglu_rounded(acc, acc_u, limit, CODE, INTERP)
     else:
         w = tl.load(topw_ptr + slots, mask=valid, other=0.0).to(tl.float32)
         y = round_to(round_to(acc, CODE, INTERP) * w[:, None], CODE, INTERP)

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ._common import check_device, dtype_code, interpreting, next_pow2, round_to
 from .fp8_act_quant import act_quant, act_quant_ref, pow2_ceil, round_e4m3
-from .fused_moe import _combine_kernel
+from .fused_moe import _combine_kernel, block_slots, clipped_swiglu_rounded
 from .fused_moe_quant import _e8m0, _validate
 from .moe_align import moe_align
 
@@ -55,13 +55,10 @@ def _w8a8_kernel(a_ptr, as_ptr, w_ptr, w3_ptr, ws_ptr, ws3_ptr, topw_ptr, out_pt
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """GATE_UP: e4m3(act) and its scales from x's e4m3 rows (K = H, N = I, rows = tokens);
     else y = round(round(act W2^T) * w) (K = I, N = H, rows = slots, TOPK = 1)."""
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
+    pid_n = tl.program_id(0)
+    e, slots, valid = block_slots(block_expert_ptr, sorted_ptr, n_slots, BLOCK_M)
     if e < 0:
         return
-    slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = slots < n_slots
-    slots = tl.where(valid, slots, 0).to(tl.int64)
     rows = slots // TOPK
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -89,10 +86,7 @@ def _w8a8_kernel(a_ptr, as_ptr, w_ptr, w3_ptr, ws_ptr, ws3_ptr, topw_ptr, out_pt
         w_ptrs += BLOCK_K
         w3_ptrs += BLOCK_K
     if GATE_UP:
-        g = tl.minimum(round_to(acc, CODE, INTERP), limit)
-        u = tl.minimum(tl.maximum(round_to(acc_u, CODE, INTERP), -limit), limit)
-        silu = round_to(g / (1.0 + tl.exp(-g)), CODE, INTERP)
-        y = round_to(silu * u, CODE, INTERP)
+        y = clipped_swiglu_rounded(acc, acc_u, limit, CODE, INTERP)
         # act_quant of the rounded activation: this tile is one whole scale group of each row
         amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-10)
         scale = pow2_ceil(amax / 448.0)
