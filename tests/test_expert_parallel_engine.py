@@ -143,3 +143,20 @@ def test_torchrun_ranks_match_single_process(ckpt, batch, reference, tmp_path) -
     got = {i: toks for r in rows for i, toks in zip(r["index"], r["tokens"])}
     assert [got[i] for i in range(len(prompts))] == reference
     assert all(r["rebalances"] >= 1 for r in rows), "live rebalances under torchrun too"
+
+
+def test_ranks_adopt_the_drivers_deepinfer_env(monkeypatch) -> None:
+    """A forkserver child starts with the server's environment: the spec carries the
+    driver's DEEPINFER_* variables and the rank adopts exactly those."""
+    import os
+
+    from deepinfer.parallel.launcher import WorkerSpec, adopt_env
+
+    monkeypatch.setenv("DEEPINFER_EP_TIMING", "1")
+    monkeypatch.delenv("DEEPINFER_FP8_GEMM", raising=False)
+    spec = WorkerSpec("m", None, 2, 0, "cpu", 1.0, True)
+    assert spec.env["DEEPINFER_EP_TIMING"] == "1" and "DEEPINFER_FP8_GEMM" not in spec.env
+    monkeypatch.setenv("DEEPINFER_FP8_GEMM", "ref")  # stale in the rank's inherited environment
+    monkeypatch.setenv("DEEPINFER_EP_TIMING", "0")
+    adopt_env(spec.env)
+    assert os.environ["DEEPINFER_EP_TIMING"] == "1" and "DEEPINFER_FP8_GEMM" not in os.environ

@@ -116,6 +116,21 @@ class WorkerSpec:
     timeout_s: float
     expert_parallel: bool
     kwargs: dict[str, Any] = field(default_factory=dict)
+    #: the driver's DEEPINFER_* variables when the engine was made: a forkserver child
+    #: inherits the server's environment from when it started, not the driver's current one
+    env: dict[str, str] = field(default_factory=lambda: deepinfer_env())
+
+
+def deepinfer_env() -> dict[str, str]:
+    """This process's DEEPINFER_* environment variables."""
+    return {k: v for k, v in os.environ.items() if k.startswith("DEEPINFER_")}
+
+
+def adopt_env(env: dict[str, str]) -> None:
+    """Make this process's DEEPINFER_* variables exactly ``env``."""
+    for k in [k for k in os.environ if k.startswith("DEEPINFER_") and k not in env]:
+        del os.environ[k]
+    os.environ.update(env)
 
 
 def _handle(engine: Any, cmd: str, payload: Any) -> Any:
@@ -154,6 +169,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Any) -> None:
             conn.send(("error", (RuntimeError(repr(value[0] if status == "error" else value)), "")))
 
     try:
+        adopt_env(spec.env)
         if spec.accelerator == "cpu":
             torch.set_num_threads(1)  # ranks share the host's cores
         comm = init_distributed(rank, spec.world_size, f"tcp://127.0.0.1:{spec.port}", spec.accelerator,
