@@ -18,8 +18,8 @@ blocks ascending) whatever M is, so a row's result does not depend on the batch.
 
 :func:`fp8_linear` sends prefill-sized, ungrouped GEMMs with (128, 128) weight blocks to
 cuBLAS's block-scaled FP8 GEMM instead (``torch._scaled_mm`` with 1x128 activation and
-128x128 weight scales, the same math): on an H200 at 8k rows it runs 1.4-1.6x cuBLAS bf16
-where this kernel's best tiles reach 0.95x (profiling/fp8_prefill_tuning.py). Narrow
+128x128 weight scales, the same math): on an H200 at 8k rows it runs 1.17-1.56x cuBLAS bf16
+where this kernel's best tiles reach 0.94-0.98x (profiling/fp8_prefill_tuning.py). Narrow
 outputs (N < 1024: 0.63x at N = 512), decode-sized batches and the grouped ``wo_a`` stay
 here.
 """
@@ -122,20 +122,15 @@ def use_cublas(m: int, n: int, k: int, block: tuple[int, int], groups: int, devi
             k % 128 == 0 and n % 16 == 0)
 
 
-def weight_scales_f32(w_scale: torch.Tensor) -> torch.Tensor:
-    """Block scales as float32 (E8M0 bytes decoded: 2 ** (b - 127), 0 the subnormal 2**-127)."""
-    if w_scale.dtype not in _E8M0:
-        return w_scale.float()
-    b = w_scale.view(torch.uint8).to(torch.int32)
-    return torch.where(b == 0, 0x00400000, b << 23).view(torch.float32)
-
-
 def _cached_scales_f32(w_scale: torch.Tensor) -> torch.Tensor:
-    """:func:`weight_scales_f32`, kept on the scale tensor (a checkpoint's scales do not
-    change; decoding them per call cost launches on every prefill GEMM)."""
+    """The block scales as float32 (``deepinfer.models.quant.e8m0_to_float``), kept on the
+    scale tensor (a checkpoint's scales do not change; decoding them per call cost launches
+    on every prefill GEMM)."""
     cached = getattr(w_scale, "_deepinfer_f32", None)
     if cached is None or cached.device != w_scale.device:
-        cached = weight_scales_f32(w_scale)
+        from deepinfer.models.quant import e8m0_to_float
+
+        cached = e8m0_to_float(w_scale)
         w_scale._deepinfer_f32 = cached
     return cached
 

@@ -111,10 +111,16 @@ def w8a8_config(n_slots: int, n_experts: int, group: int) -> dict[str, int]:
     return dict(BLOCK_M=64, BLOCK_K=min(128, group), DOWN_N=128, num_warps=8, num_stages=4)
 
 
+def w8a8_supported(hidden: int, inter: int, group: int) -> bool:
+    """Whether these experts fit the kernel: H and I multiples of the scale group, a power
+    of two >= 32 (act_quant's group; e4m3 tensor-core dots take K >= 32)."""
+    return group >= 32 and not group & (group - 1) and not hidden % group and not inter % group
+
+
 def _check_w8a8(x, w1, block) -> tuple[int, int]:
     b0, b1 = block
     h, inter = x.shape[1], w1.shape[1]
-    if h % b1 or inter % b1 or b1 < 32 or b1 & (b1 - 1):
+    if not w8a8_supported(h, inter, b1):
         raise ValueError(f"block: w8a8 needs H={h} and I={inter} to be multiples of block[1]={b1}, a power of two "
                          f">= 32 (act_quant's group; e4m3 tensor-core dots take K >= 32)")
     return b0, b1

@@ -46,7 +46,7 @@ from fastpath_check import check_engine, check_layers, check_prefill, set_mode, 
 from fastpath_roofline import ModelCosts, roofline  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
-from deepinfer.models.tiny import flash4_config, init_random, mini_config, tiny_config  # noqa: E402, F401
+from deepinfer.models.tiny import flash4_config, init_random, mini_config, tiny_config  # noqa: E402
 
 
 def tiny_sizes() -> dict:

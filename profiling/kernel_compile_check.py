@@ -81,7 +81,7 @@ class Recorder:
 
 def record_decode_step(size: str, batch: int) -> Recorder:
     """One decode step of a random `size` model on the meta device, launches recorded."""
-    from fastpath_bench import flash4_config
+    from deepinfer.models.tiny import flash4_config
 
     from deepinfer.models.deepseek_v41 import build_model
     from deepinfer.models.fast.decode import kernel_ops

@@ -27,12 +27,12 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
-from fastpath_bench import PrebuiltLLM, build, commit, flash4_config, tiny_sizes  # noqa: E402
+from fastpath_bench import PrebuiltLLM, build, commit, tiny_sizes  # noqa: E402
 from fastpath_check import token_ids  # noqa: E402
 from fastpath_roofline import ModelCosts, roofline  # noqa: E402
 
 from deepinfer import SamplingParams  # noqa: E402
-from deepinfer.models.tiny import mini_config  # noqa: E402
+from deepinfer.models.tiny import flash4_config, mini_config  # noqa: E402
 
 #: model parts, each a (module, function) wrapped in a record_function range of that name
 PARTS = {

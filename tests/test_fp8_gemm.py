@@ -180,8 +180,8 @@ def test_cublas_choice_and_weight_scales(monkeypatch):
                  (4096, 4096, 4096, (128, 128), 1, torch.device("cpu"))):
         assert not fg.use_cublas(*args), args
     _, w_s = quantize_fp8_block(torch.randn(300, 260) * torch.logspace(-6, 3, 260), (128, 128))
-    assert torch.equal(fg.weight_scales_f32(w_s), e8m0_to_float(w_s).float())
-    assert torch.equal(fg.weight_scales_f32(torch.tensor([[0, 127]], dtype=torch.uint8)),
+    assert torch.equal(fg._cached_scales_f32(w_s), e8m0_to_float(w_s).float())
+    assert torch.equal(fg._cached_scales_f32(torch.tensor([[0, 127]], dtype=torch.uint8)),
                        torch.tensor([[2.0 ** -127, 1.0]]))
 
 

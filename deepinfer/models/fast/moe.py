@@ -51,9 +51,14 @@ def w8a8_routed(quantized: Any, x: torch.Tensor, topk_ids: torch.Tensor) -> bool
     if mode not in W8A8_MODES:
         from deepinfer.errors import ConfigError
         raise ConfigError(f"DEEPINFER_MOE_W8A8={mode!r}: expected one of {', '.join(W8A8_MODES)}")
-    group = quantized.block[1]
-    if quantized.fmt != "fp8" or mode == "0" or batch_invariant.enabled() or \
-            x.shape[1] % group or quantized.w1.shape[1] % group or group < 32 or group & (group - 1):
+    if quantized.fmt != "fp8" or mode == "0" or batch_invariant.enabled():
+        return False
+    from .decode import _ensure_kernels_importable
+
+    _ensure_kernels_importable()
+    from deepinfer_kernels.fused_moe_w8a8 import w8a8_supported
+
+    if not w8a8_supported(x.shape[1], quantized.w1.shape[1], quantized.block[1]):
         return False
     return mode == "1" or w8a8_auto(x.is_cuda, topk_ids.numel(), quantized.w1.shape[0], quantized.w1.shape[1])
 
