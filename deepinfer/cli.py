@@ -2,7 +2,7 @@
 
     deepinfer generate --prompt "Hello" [--model DIR] [--max-tokens 32] [--temperature 0]
     deepinfer write-tiny OUT_DIR [--seed 0] [--quantize]
-    deepinfer config            # print the resolved engine configuration
+    deepinfer config            # print the resolved engine configuration and the DEEPINFER_* variables set
 """
 
 from __future__ import annotations
@@ -39,9 +39,17 @@ def _write_tiny(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
+    from deepinfer import envs
     from deepinfer.config import EngineConfig
 
+    values = envs.check()  # every DEEPINFER_* variable set: known, valid, aliases agreeing
     print(EngineConfig.from_kwargs().describe())
+    rows = [(name, repr(value), envs.set_name(name)) for name, value in values.items()]
+    if rows:
+        widths = [max(len(r[i]) for r in rows + [("variable", "value", "set as")]) for i in range(3)]
+        print("\nDEEPINFER_* variables set (declared in deepinfer/envs.py)")
+        for r in [("variable", "value", "set as"), tuple("-" * w for w in widths), *rows]:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     return 0
 
 

@@ -4,7 +4,8 @@
 accept only 0/1/true/false, any unknown ``DEEPINFER_*`` variable is an error so
 typos are caught), lets kwargs override it, resolves derived defaults and
 validates every field. All problems raise :class:`~deepinfer.errors.ConfigError`
-naming the field or variable, the bad value and the allowed values.
+naming the field or variable, the bad value and the allowed values. The variables
+themselves (type, default, description) are declared in :mod:`deepinfer.envs`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 
+from deepinfer import envs
+from deepinfer.envs import KNOWN_ENV_VARS, register_env_var
 from deepinfer.errors import ConfigError, range_message
 
 __all__ = [
@@ -39,23 +42,8 @@ DEFAULT_CPU_KV_CACHE_BYTES: int = 2 * 1024**3
 #: ``max_num_batched_tokens`` default when chunked prefill is on.
 DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS: int = 8192
 _MAX_SEED = 2**64 - 1
-_BOOL_WORDS = {"0": False, "1": True, "true": True, "false": False}
 
-#: Every ``DEEPINFER_*`` variable the engine understands, with a description.
-KNOWN_ENV_VARS: dict[str, str] = {
-    "DEEPINFER_HF_MODEL_DIR": "local checkpoint directory, used when model is None",
-    "DEEPINFER_ACCELERATOR": "nvidia|ascend|cpu|auto (default: auto-detect)",
-    "DEEPINFER_BATCH_INVARIANT": "0|1|true|false: batch-invariant kernels",
-    "DEEPINFER_USE_NEXTN_DECODE": "int >= 0: max draft length (0 = speculation off)",
-    "DEEPINFER_ENABLE_MTP_VARLEN": "0|1|true|false: confidence-scheduled variable verification",
-    "DEEPINFER_CPU_THREADS": "int >= 1: torch intra-op threads on CPU (default: 1 for small models)",
-    "DEEPINFER_ASYNC_SCHEDULING": "0|1|true|false (default 1): plan step N+1 while step N runs on the device",
-    "DEEPINFER_CACHE_DIR": "where the embedded default checkpoint is written (default ~/.cache/deepinfer)",
-    "DEEPINFER_TEST_SEED": "tests only: replay a failing test's random seed",
-    "DEEPINFER_TEST_WORKERS": "scripts/test.sh only: pytest-xdist workers (auto = one per core, 0 = serial)",
-    "DEEPINFER_COMMIT": "the source commit recorded in results when the tree's .git cannot tell (device copies)",
-}
-# env var -> EngineConfig field it sets
+# env var -> EngineConfig field it sets (the variables themselves are declared in deepinfer/envs.py)
 _ENV_FIELDS: dict[str, str] = {
     "DEEPINFER_HF_MODEL_DIR": "model",
     "DEEPINFER_ACCELERATOR": "accelerator",
@@ -67,13 +55,6 @@ _ENV_FIELDS: dict[str, str] = {
 }
 
 
-def register_env_var(name: str, description: str) -> None:
-    """Declare another ``DEEPINFER_*`` variable (read elsewhere) as known."""
-    if not name.startswith("DEEPINFER_"):
-        raise ValueError(f"env var name must start with 'DEEPINFER_', got {name!r}")
-    KNOWN_ENV_VARS[name] = description
-
-
 def detect_accelerator() -> str:
     """'nvidia' if CUDA is usable, else 'ascend' if torch_npu is, else 'cpu'.
 
@@ -82,33 +63,6 @@ def detect_accelerator() -> str:
     """
     from deepinfer.platform import detect_accelerator as platform_detect
     return platform_detect()
-
-
-def _parse_env(name: str, raw: str) -> Any:
-    """Strictly parse the known env var ``name``; ConfigError on a bad value."""
-    def bad(allowed: str) -> ConfigError:
-        return ConfigError(f"environment variable {name}={raw!r} is invalid; allowed: {allowed}",
-                           field=name)
-
-    if name in ("DEEPINFER_BATCH_INVARIANT", "DEEPINFER_ENABLE_MTP_VARLEN", "DEEPINFER_ASYNC_SCHEDULING"):
-        if raw.lower() not in _BOOL_WORDS:
-            raise bad("0, 1, true, false (case-insensitive)")
-        return _BOOL_WORDS[raw.lower()]
-    if name == "DEEPINFER_CPU_THREADS":
-        if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
-            raise bad("an integer >= 1")
-        return int(raw)
-    if name == "DEEPINFER_USE_NEXTN_DECODE":
-        if not (raw.isascii() and raw.isdigit()):
-            raise bad("an integer >= 0")
-        return int(raw)
-    if name == "DEEPINFER_ACCELERATOR":
-        if raw.lower() not in ACCELERATORS + ("auto",):
-            raise bad(", ".join(ACCELERATORS + ("auto",)) + " (case-insensitive)")
-        return raw.lower()
-    if not raw:
-        raise bad("a non-empty path")
-    return raw
 
 
 @dataclass
@@ -192,7 +146,7 @@ class EngineConfig:
             raise ConfigError(f"unknown engine argument(s) {unknown}"
                               + (f": {hint}" if hint else "") + f"; allowed: {names}")
         env = os.environ if environ is None else environ
-        typos = sorted(k for k in env if k.startswith("DEEPINFER_") and k not in KNOWN_ENV_VARS)
+        typos = envs.unknown(env)
         if typos:
             raise ConfigError(f"unknown environment variable(s) {typos}; "
                               f"known DEEPINFER_* variables: {sorted(KNOWN_ENV_VARS)}")
@@ -200,7 +154,7 @@ class EngineConfig:
         sources: dict[str, str] = {}
         for var, fname in _ENV_FIELDS.items():
             if var in env:
-                values[fname] = _parse_env(var, env[var])
+                values[fname] = envs.get(var, env)
                 sources[fname] = f"env {var}"
         for fname, value in kwargs.items():
             if fname == "model" and value is None and "model" in values:
@@ -308,7 +262,3 @@ class EngineConfig:
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "EngineConfig\n" + "\n".join(lines)
-
-
-# The parallel engine's variables (EPLB, collective timeout) are declared beside their reader.
-from deepinfer.parallel import env as _parallel_env  # noqa: E402,F401  (registers DEEPINFER_EPLB_*)

@@ -34,7 +34,6 @@ from deepinfer.outputs import RequestMetrics, RequestOutput
 from deepinfer.platform import get_platform
 from deepinfer.profiling.markers import SCHEDULE, UPDATE, phase
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.spec import step_curve as _spec_step_curve  # noqa: F401  registers DEEPINFER_SPEC_STEP_CURVE
 from deepinfer.structured.manager import StructuredOutputManager
 from deepinfer.tokenizer import Tokenizer, load_tokenizer
 
@@ -55,7 +54,7 @@ class LLM:
         return super().__new__(cls)
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, **kwargs: object) -> None:
-        # V4.1 SWA bounded replay: kwargs swa_replay_mode / swa_replay_keep or DEEPINFER_SWA_REPLAY_*
+        # V4.1 SWA bounded replay: kwargs swa_replay_mode / swa_replay_keep or DEEPINFER_YOCO_PREFILL_*
         self.replay = ReplayConfig.resolve(kwargs)
         self.config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **kwargs)
         self.init_model()

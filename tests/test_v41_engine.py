@@ -114,6 +114,17 @@ def test_replay_settings_and_errors(checkpoint, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="DEEPINFER_SWA_REPLAY_KEEP"):
         LLM(checkpoint, dtype="float32")
     monkeypatch.delenv("DEEPINFER_SWA_REPLAY_KEEP")
+    # DeepInfer's names; today's names stay aliases, and an alias that disagrees is an error
+    monkeypatch.delenv("DEEPINFER_SWA_REPLAY_MODE")
+    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact")
+    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "39")
+    llm = LLM(checkpoint, dtype="float32", max_model_len=512)
+    assert llm.replay.mode == "compact" and llm.replay.keep == 39
+    monkeypatch.setenv("DEEPINFER_SWA_REPLAY_MODE", "mask")
+    with pytest.raises(ConfigError, match="DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE.*DEEPINFER_SWA_REPLAY_MODE"):
+        LLM(checkpoint, dtype="float32")
+    monkeypatch.delenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE")  # the alias alone: mask
+    monkeypatch.delenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS")
     v4 = write_tiny_checkpoint(str(tmp_path / "v4"), seed=1, cfg=tiny_config(vocab_size=VOCAB))
     with pytest.raises(ConfigError, match="needs a model with V4.1 decoder layers"):
         LLM(v4, dtype="float32")

@@ -28,25 +28,21 @@ itself, so a hit changes nothing (and compact == mask under hits).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from deepinfer.config import register_env_var
+from deepinfer import envs
 from deepinfer.errors import ConfigError
 
 MODES = ("off", "mask", "compact")
-DEFAULT_KEEP = 140
 #: Positions a request can be rolled back by speculative verification (DSpark block 5 + 1).
 MAX_BACKTRACK = 6
-ENV_MODE, ENV_KEEP = "DEEPINFER_SWA_REPLAY_MODE", "DEEPINFER_SWA_REPLAY_KEEP"
-
-register_env_var(ENV_MODE, "off|mask|compact: SWA bounded replay of the V4.1 decoder layers in prefill "
-                           "(default off)")
-register_env_var(ENV_KEEP, f"int: prompt suffix the V4.1 decoder layers replay (default {DEFAULT_KEEP}; "
-                           f">= sliding_window + {MAX_BACKTRACK})")
+#: DeepInfer's names (declared in deepinfer/envs.py with today's DEEPINFER_SWA_REPLAY_MODE /
+#: DEEPINFER_SWA_REPLAY_KEEP as aliases: either works, both set to different values is an error).
+ENV_MODE, ENV_KEEP = "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"
+DEFAULT_KEEP: int = envs.ENV_VARS[ENV_KEEP].default  # 140
 
 
 @dataclass(frozen=True)
@@ -70,19 +66,14 @@ class ReplayConfig:
 
     @classmethod
     def resolve(cls, kwargs: dict, environ: Mapping[str, str] | None = None) -> "ReplayConfig":
-        """Pop `swa_replay_mode` / `swa_replay_keep` from LLM kwargs (they win) over the env."""
-        env = os.environ if environ is None else environ
+        """Pop `swa_replay_mode` / `swa_replay_keep` from LLM kwargs (they win) over the env
+        (``DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE`` / ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS``, or their
+        aliases ``DEEPINFER_SWA_REPLAY_MODE`` / ``DEEPINFER_SWA_REPLAY_KEEP``)."""
         mode = kwargs.pop("swa_replay_mode", None)
         keep = kwargs.pop("swa_replay_keep", None)
-        if mode is None:
-            mode = env.get(ENV_MODE, "off").strip().lower()
-        if keep is None and ENV_KEEP in env:
-            raw = env[ENV_KEEP].strip()
-            if not (raw.isascii() and raw.isdigit()):
-                raise ConfigError(f"environment variable {ENV_KEEP}={env[ENV_KEEP]!r} must be a positive integer",
-                                  field=ENV_KEEP)
-            keep = int(raw)
-        return cls(mode, DEFAULT_KEEP if keep is None else keep)
+        # read both even when a kwarg wins: a bad or contradictory variable is an error either way
+        env_mode, env_keep = envs.get(ENV_MODE, environ), envs.get(ENV_KEEP, environ)
+        return cls(env_mode if mode is None else mode, env_keep if keep is None else keep)
 
     def validate_for(self, cfg) -> None:
         """Check against the model: it must have decoder layers, and keep must cover the

@@ -22,6 +22,8 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from deepinfer import envs
+
 from .loader import CheckpointError, shard_files
 
 TRAINED = "deepinfer-tiny"
@@ -37,7 +39,7 @@ def packaged_model_dir() -> Path:
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("DEEPINFER_CACHE_DIR", Path.home() / ".cache" / "deepinfer"))
+    return Path(envs.DEEPINFER_CACHE_DIR)
 
 
 def trained_model_dir() -> str:

@@ -17,21 +17,17 @@ Batch-invariant mode always takes the dequantized weight through its fixed-tile 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer import batch_invariant
-from deepinfer.config import register_env_var
+from deepinfer import batch_invariant, envs
 
 from . import invariant_ops
 
-FP8_MODES = ("auto", "triton", "ref", "dequant")
-register_env_var("DEEPINFER_FP8_GEMM", "auto|triton|ref|dequant: how FP8 checkpoint linears compute (auto = "
-                 "Triton w8a8 block-scaled GEMM on CUDA, dequantized weight elsewhere)")
+FP8_MODES = ("auto", "triton", "ref", "dequant")  # DEEPINFER_FP8_GEMM (declared in deepinfer/envs.py)
 
 
 @dataclass
@@ -59,17 +55,10 @@ class QuantizedWeight:
 
 def fp8_mode() -> str:
     """DEEPINFER_FP8_GEMM, validated."""
-    mode = os.environ.get("DEEPINFER_FP8_GEMM", "auto").lower()
-    if mode not in FP8_MODES:
-        from deepinfer.errors import ConfigError
-        raise ConfigError(f"DEEPINFER_FP8_GEMM={mode!r}: expected one of {', '.join(FP8_MODES)}")
-    return mode
+    return envs.DEEPINFER_FP8_GEMM
 
 
 def _fp8_kernels():
-    from .fast.decode import _ensure_kernels_importable  # source checkouts: kernels/ as deepinfer_kernels
-
-    _ensure_kernels_importable()
     from deepinfer_kernels import fp8_gemm
 
     return fp8_gemm

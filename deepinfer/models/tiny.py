@@ -21,6 +21,8 @@ from dataclasses import replace
 import torch
 from safetensors.torch import save_file
 
+from deepinfer import envs
+
 from .checkpoint_layout import storage_format
 from .config import DeepseekV4Config
 from .config_v41 import DeepseekV41Config
@@ -227,7 +229,7 @@ def write_tiny_checkpoint(path: str, seed: int = 0, quantize: bool = False, cfg:
 def default_checkpoint_dir() -> str:
     """Where the random-weight tiny checkpoint (`deepinfer-tiny-random`) lives; written on
     first use (a few seconds)."""
-    root = os.environ.get("DEEPINFER_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "deepinfer"))
+    root = envs.DEEPINFER_CACHE_DIR
     path = os.path.join(root, f"{TINY_NAME}-seed0")
     if not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
         tmp = path + f".tmp{os.getpid()}"

@@ -3,7 +3,6 @@
 - :mod:`.eplb_policy`: the pure balancing policy (replicate hot experts, pack replicas);
   :mod:`.eplb_packing` holds its packing step.
 - :mod:`.placement`: logical -> physical expert maps, validation, manual placement.
-- :mod:`.env`: the ``DEEPINFER_EPLB_*`` / ``DEEPINFER_DIST_TIMEOUT_S`` variables.
 - :mod:`.comm`: the collectives behind one interface (all-to-all, p2p, timeouts).
 - :mod:`.expert_parallel`: the expert-parallel MoE layer and in-place weight moves.
 - :mod:`.eplb`: EPLB configuration (env vars), on-device load ring buffer, rebalancing.

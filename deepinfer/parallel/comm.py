@@ -9,11 +9,12 @@ on the survivors instead of a hang.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+
+from deepinfer import envs
 
 from .comm_timing import AllToAllTimer
 
@@ -30,7 +31,7 @@ class EPComm:
         else:
             self.rank, self.world_size = 0, 1
         #: all-to-all time / bytes, when DEEPINFER_EP_TIMING=1 (the EP benchmark)
-        self.timer = AllToAllTimer() if os.environ.get("DEEPINFER_EP_TIMING", "0") == "1" else None
+        self.timer = AllToAllTimer() if envs.DEEPINFER_EP_TIMING else None
 
     @property
     def distributed(self) -> bool:

@@ -14,11 +14,6 @@ from typing import Any
 
 import torch
 
-from deepinfer.config import register_env_var
-
-register_env_var("DEEPINFER_EP_TIMING", "0|1: time each expert-parallel all-to-all (EP benchmark; CUDA events "
-                 "on GPUs, wall clock on CPU)")
-
 
 class AllToAllTimer:
     """Accumulated seconds, calls and bytes (sent + received) of one rank's all-to-alls."""

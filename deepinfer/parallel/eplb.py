@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from deepinfer import envs
 from deepinfer.errors import ConfigError
 from deepinfer.parallel.comm import EPComm
 from deepinfer.parallel.eplb_policy import rebalance_experts
@@ -49,17 +50,7 @@ class EPLBConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> EPLBConfig:
         env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for fname, var in _ENV.items():
-            if var in env:
-                raw = env[var].strip()
-                if fname == "policy":
-                    values[fname] = raw.lower()
-                elif raw.isascii() and raw.isdigit():
-                    values[fname] = int(raw)
-                else:
-                    raise ConfigError(f"environment variable {var}={env[var]!r} must be a non-negative integer",
-                                      field=var)
+        values = {fname: envs.get(var, env) for fname, var in _ENV.items() if envs.is_set(var, env)}
         values.update({k: v for k, v in overrides.items() if v is not None})
         cfg = cls(**values)
         cfg.validate()

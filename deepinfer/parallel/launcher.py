@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from deepinfer import envs
 from deepinfer.config import detect_accelerator
 from deepinfer.errors import ConfigError
 from deepinfer.parallel.comm import EPComm
@@ -37,23 +38,12 @@ from deepinfer.platform import get_platform
 __all__ = ["WorkerSpec", "dist_timeout_s", "find_free_port", "init_distributed", "rank_llm_from_torchrun",
            "split_kwargs", "worker_main"]
 
-DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_TIMEOUT_S: float = envs.ENV_VARS["DEEPINFER_DIST_TIMEOUT_S"].default
 
 
 def dist_timeout_s(environ: dict[str, str] | None = None) -> float:
     """``DEEPINFER_DIST_TIMEOUT_S`` (seconds a collective waits for a peer), default 120."""
-    env = os.environ if environ is None else environ
-    raw = env.get("DEEPINFER_DIST_TIMEOUT_S")
-    if raw is None:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ConfigError(f"environment variable DEEPINFER_DIST_TIMEOUT_S={raw!r} must be a number of seconds > 0",
-                          field="DEEPINFER_DIST_TIMEOUT_S")
-    return value
+    return envs.get("DEEPINFER_DIST_TIMEOUT_S", environ)
 
 
 def find_free_port() -> int:
@@ -95,7 +85,8 @@ def rank_llm_from_torchrun(model: str | None = None, tokenizer: str | None = Non
     from deepinfer.parallel.rank_engine import RankLLM
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    accelerator = str(kwargs.get("accelerator") or os.environ.get("DEEPINFER_ACCELERATOR") or detect_accelerator())
+    accelerator = str(kwargs.get("accelerator") or envs.DEEPINFER_ACCELERATOR)
+    accelerator = detect_accelerator() if accelerator == "auto" else accelerator
     comm = init_distributed(rank, world, None, accelerator, dist_timeout_s(), int(os.environ.get("LOCAL_RANK", rank)))
     kw, eplb, placement = split_kwargs(kwargs)
     kw.setdefault("data_parallel_size", world)

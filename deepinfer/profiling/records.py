@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd import profiler as _autograd_profiler
 
+from deepinfer import envs
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -39,8 +41,8 @@ def git_commit(root: str | os.PathLike[str] = _REPO_ROOT) -> tuple[str, bool]:
     """(HEAD commit, whether the work tree has uncommitted changes). Outside a git checkout
     (e.g. a copied tree on a remote machine) ``GIT_COMMIT`` / ``GIT_DIRTY=1`` tell them,
     else ("unknown", False)."""
-    if os.environ.get("DEEPINFER_COMMIT"):  # set by whoever sent a copied tree (its .git may be stale)
-        return os.environ["DEEPINFER_COMMIT"], os.environ.get("GIT_DIRTY") == "1"
+    if envs.DEEPINFER_COMMIT:  # set by whoever sent a copied tree (its .git may be stale)
+        return envs.DEEPINFER_COMMIT, os.environ.get("GIT_DIRTY") == "1"
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()

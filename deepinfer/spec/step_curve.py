@@ -32,13 +32,11 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.config import register_env_var
+from deepinfer import envs
 
 from .scheduling import StepTimeCurve
 
-ENV_CURVE = "DEEPINFER_SPEC_STEP_CURVE"
-register_env_var(ENV_CURVE, "path: a spec_step_curve_*.json file or a directory of them for the confidence-scheduled "
-                            "verify budget (default profiling/results; 'profile' = always profile at start-up)")
+ENV_CURVE = "DEEPINFER_SPEC_STEP_CURVE"  # declared in deepinfer/envs.py
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "profiling" / "results"
 SIGNATURE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
                   "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "vocab_size")
@@ -169,7 +167,7 @@ def profile_step_curve(llm, max_tokens: int, repeats: int = 2, budget_s: float =
 def curve_for_engine(llm) -> tuple[OnlineStepTimeCurve, str]:
     """(the curve the confidence scheduler uses, where its base came from: ``measured:<path>``
     or ``profiled``); see the module docstring."""
-    where = os.environ.get(ENV_CURVE)
+    where = envs.get(ENV_CURVE)
     if where != "profile":
         found = find_measured_curve(hardware_key(llm.device), model_signature(llm.model_config, llm.model.dtype),
                                     where)

@@ -23,6 +23,8 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
+from deepinfer import envs
+
 from .calibrate import fit_temperatures
 from .export import checkpoint_bytes, export_dspark, export_model
 from .recipe import dspark_config, trained_config
@@ -32,8 +34,8 @@ from .vocab import special_ids
 
 def _commit() -> str:
     """DEEPINFER_COMMIT when set (a device's copy of the tree may carry a stale .git), else HEAD."""
-    if os.environ.get("DEEPINFER_COMMIT"):
-        return os.environ["DEEPINFER_COMMIT"]
+    if envs.DEEPINFER_COMMIT:
+        return envs.DEEPINFER_COMMIT
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):

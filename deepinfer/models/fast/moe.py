@@ -18,16 +18,14 @@ the dense FP8 linears already have; ``DEEPINFER_MOE_W8A8`` picks.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from deepinfer import batch_invariant
-from deepinfer.config import register_env_var
+from deepinfer import batch_invariant, envs
 
-W8A8_MODES = ("auto", "0", "1")
+W8A8_MODES = ("auto", "0", "1")  # DEEPINFER_MOE_W8A8 (declared in deepinfer/envs.py)
 #: auto takes w8a8 from this many routed rows per expert (decode batches stay weight-only,
 #: bound by weight reads, where the activation quantization would only add a launch) ...
 W8A8_MIN_ROWS_PER_EXPERT = 16
@@ -35,9 +33,6 @@ W8A8_MIN_ROWS_PER_EXPERT = 16
 #: 125.6-131.0k tok/s against 96.3k weight-only), slower at mini's 512 (85.4k against 133.5k,
 #: forced; not yet profiled), so auto leaves narrower experts weight-only
 W8A8_MIN_INTER = 2048
-register_env_var("DEEPINFER_MOE_W8A8", "auto|0|1: FP8 routed experts with FP8 activations (auto = CUDA steps with "
-                 f">= {W8A8_MIN_ROWS_PER_EXPERT} rows per expert, experts >= {W8A8_MIN_INTER} wide; 0 = weight-only "
-                 "always; 1 = every step)")
 
 
 def w8a8_auto(is_cuda: bool, n_slots: int, n_experts: int, inter: int) -> bool:
@@ -47,15 +42,9 @@ def w8a8_auto(is_cuda: bool, n_slots: int, n_experts: int, inter: int) -> bool:
 
 def w8a8_routed(quantized: Any, x: torch.Tensor, topk_ids: torch.Tensor) -> bool:
     """Whether this step's FP8 routed experts run w8a8 (module doc)."""
-    mode = os.environ.get("DEEPINFER_MOE_W8A8", "auto").strip().lower()
-    if mode not in W8A8_MODES:
-        from deepinfer.errors import ConfigError
-        raise ConfigError(f"DEEPINFER_MOE_W8A8={mode!r}: expected one of {', '.join(W8A8_MODES)}")
+    mode = envs.DEEPINFER_MOE_W8A8
     if quantized.fmt != "fp8" or mode == "0" or batch_invariant.enabled():
         return False
-    from .decode import _ensure_kernels_importable
-
-    _ensure_kernels_importable()
     from deepinfer_kernels.fused_moe_w8a8 import w8a8_supported
 
     if not w8a8_supported(x.shape[1], quantized.w1.shape[1], quantized.block[1]):

@@ -19,32 +19,28 @@ final streams like ``DeepseekV4Model.forward``.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from deepinfer.config import register_env_var
+from deepinfer import envs
 
 from ..kv_cache import ForwardBatch, KVCache
 from ..mhc import hc_post
 from ..moe import MoE
-from .decode import _ensure_kernels_importable, kernel_ops
+from .decode import kernel_ops
 from .forward import run_layers
 from .moe import supported as moe_supported
 from .prefill_attention import attention_prefill
 from .prefill_meta import PrefillMeta, build_prefill_meta
 
-register_env_var("DEEPINFER_FAST_PREFILL", "auto|0|triton|ref: fast path of prefill / mixed steps (auto = bf16/fp16 "
-                 "on CUDA; triton / ref force it anywhere with the kernels / their torch references: tests)")
-MODES = ("auto", "0", "triton", "ref")
+MODES = ("auto", "0", "triton", "ref")  # DEEPINFER_FAST_PREFILL (declared in deepinfer/envs.py)
 
 
 def prefill_ops(kind: str) -> SimpleNamespace:
     """The decode fast path's ops (mHC, router, fused MoE) plus the prefill kernels."""
     ops = kernel_ops(kind)
-    _ensure_kernels_importable()
     from deepinfer_kernels import prefill_attention as pa
     from deepinfer_kernels import prefill_indexer as pi
 
@@ -68,15 +64,12 @@ class PrefillPath:
     def create(cls, model: Any, cache: KVCache) -> PrefillPath | None:
         from ..deepseek_v4 import DeepseekV4Model
 
-        mode = os.environ.get("DEEPINFER_FAST_PREFILL", "auto").lower()
-        if mode not in MODES:
-            from deepinfer.errors import ConfigError
-            raise ConfigError(f"DEEPINFER_FAST_PREFILL={mode!r}: expected one of {', '.join(MODES)}")
+        mode = envs.DEEPINFER_FAST_PREFILL
         if mode == "0" or type(model) is not DeepseekV4Model or getattr(model.cfg, "is_v41", False):
             return None
         if mode in ("triton", "ref"):
             return cls(model, cache, prefill_ops(mode))
-        fastpath = os.environ.get("DEEPINFER_FASTPATH", "auto").lower()
+        fastpath = envs.DEEPINFER_FASTPATH
         if cache.swa[0].device.type != "cuda" or fastpath in ("0", "off", "false", "no", "ref"):
             return None
         if fastpath != "1" and getattr(model, "dtype", None) not in (torch.bfloat16, torch.float16):
