@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import time
 from collections.abc import Sequence
@@ -26,8 +27,8 @@ from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer.errors import InvalidRequestError
 from deepinfer.metrics import MetricsCollector
 from deepinfer.models.bounded_replay import ReplayConfig
-from deepinfer.models.kv_cache import group_names
-from deepinfer.models.kv_cache_v41 import WINDOW_GROUPS, new_kv_cache
+from deepinfer.models.kv_cache import group_names, new_kv_cache
+from deepinfer.models.kv_cache_v41 import WINDOW_GROUPS
 from deepinfer.models.loader import load_model, materialize_dense_weights
 from deepinfer.models.default_model import resolve_model
 from deepinfer.outputs import RequestMetrics, RequestOutput
@@ -44,13 +45,19 @@ class LLM:
     #: set by engines that must keep the synchronous loop: the reason, reported as ``async_fallback``
     async_scheduling_unsupported: str | None = None
 
+    #: what ``data_parallel_size`` / ``expert_parallel_size`` > 1 builds instead: the multi-process
+    #: driver, a subclass of this class in the layer above it. Named, not imported: the driver and
+    #: its ranks import this module, so an import here would be an import cycle (the one place
+    #: where the engine refers up the layers, and only when asked for more than one rank).
+    multi_process_engine: str = "deepinfer.parallel.dp_engine:DPLLM"
+
     def __new__(cls, *args: object, **kwargs: object) -> LLM:
         """``data_parallel_size`` / ``expert_parallel_size`` > 1 builds the multi-process
         engine instead (`deepinfer.parallel.dp_engine.DPLLM`, a subclass of this one)."""
         sizes = (kwargs.get("data_parallel_size", 1), kwargs.get("expert_parallel_size", 1))
         if cls is LLM and any(isinstance(n, int) and not isinstance(n, bool) and n > 1 for n in sizes):
-            from deepinfer.parallel.dp_engine import DPLLM
-            return super().__new__(DPLLM)
+            module, name = cls.multi_process_engine.split(":")
+            return super().__new__(getattr(importlib.import_module(module), name))
         return super().__new__(cls)
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, **kwargs: object) -> None:

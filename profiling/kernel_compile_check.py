@@ -87,7 +87,7 @@ def record_decode_step(size: str, batch: int) -> Recorder:
     from deepinfer.models.fast.decode import kernel_ops
     from deepinfer.models.fast.runner import FastPath
     from deepinfer.models.kv_cache import ForwardBatch, SeqMeta, group_names
-    from deepinfer.models.kv_cache_v41 import new_kv_cache
+    from deepinfer.models.kv_cache import new_kv_cache
     from deepinfer.models.tiny import mini_config
 
     cfg = mini_config() if size == "mini" else flash4_config()
@@ -131,9 +131,6 @@ def compile_all(launches: list[dict], arch: int = 90) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from deepinfer.models.fast.decode import _ensure_kernels_importable
-
-    _ensure_kernels_importable()
     target = GPUTarget("cuda", arch, 32)
     rows = []
     for spec in sorted(launches, key=lambda s: s["kernel"]):

@@ -21,7 +21,7 @@ start after ``</think>`` in thinking mode; until then the output is parsed, not 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import deepseek_recipe as dr
 
@@ -32,8 +32,8 @@ from deepinfer.chat.requests import ChatRequest, normalise_chat_inputs
 from deepinfer.errors import InvalidRequestError
 from deepinfer.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from deepinfer.llm import LLM
+# `llm` is a deepinfer.llm.LLM; not imported, not even for type checking: deepinfer.llm builds this module's
+# objects, and an import back would close an import cycle (tests/test_import_cycles.py)
 
 __all__ = ["run_chat", "render_chat", "parse_chat_response", "chat_sampling_params", "replace_sampling_params"]
 
@@ -95,7 +95,7 @@ def parse_chat_response(text: str, messages: Any, model_type: str = "deepseek_v4
     return parse_completion(reqs[0].converted, text, finish_reason)
 
 
-def run_chat(llm: LLM, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+def run_chat(llm: Any, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              thinking: bool | None = None, tools: Sequence[dict[str, Any]] | None = None,
              use_tqdm: bool = True) -> list[ChatOutput]:
     """Render each conversation with deepseek-recipe, generate, and parse each output.

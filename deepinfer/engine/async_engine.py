@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from deepinfer.engine.async_scheduler import AsyncScheduler
 from deepinfer.engine.model_runner import LaunchedStep
@@ -49,8 +49,8 @@ from deepinfer.engine.request import PLACEHOLDER_TOKEN_ID
 from deepinfer.engine.token_buffer import DeviceTokenBuffer
 from deepinfer.profiling.markers import SCHEDULE, UPDATE, phase
 
-if TYPE_CHECKING:
-    from deepinfer.llm import LLM
+# `llm` is a deepinfer.llm.LLM; not imported, not even for type checking: deepinfer.llm builds this module's
+# objects, and an import back would close an import cycle (tests/test_import_cycles.py)
 
 __all__ = ["AsyncScheduler", "AsyncStats", "AsyncStepLoop", "DeviceTokenBuffer"]
 
@@ -79,7 +79,7 @@ class _InFlight:
 class AsyncStepLoop:
     """``LLM.step`` in async mode: at most one step in flight between calls."""
 
-    def __init__(self, llm: LLM, debug: bool = False) -> None:
+    def __init__(self, llm: Any, debug: bool = False) -> None:
         self.llm = llm
         self.scheduler = AsyncScheduler(llm.scheduler)
         self.tokens = DeviceTokenBuffer(llm.config.max_num_seqs, llm.runner.device, debug=debug)

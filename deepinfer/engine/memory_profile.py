@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.config import EngineConfig
-from deepinfer.models.kv_cache import ForwardBatch, SeqMeta, group_names
+from deepinfer.models.kv_cache import ForwardBatch, SeqMeta, group_names, new_kv_cache
 
 #: Kept free for the decode CUDA graphs' memory pool (captured after the cache exists) and
 #: allocator fragmentation. Not measured: a margin over the largest graph's logits
@@ -48,7 +48,6 @@ def worst_case_step(model: torch.nn.Module, config: EngineConfig, device: torch.
     """Run the profiled step (see the module doc) over a throwaway cache on ``device``;
     returns its log-probs [max_num_seqs, vocab]. Nothing it allocates outlives it."""
     from deepinfer.models.fast.prefill import PrefillPath
-    from deepinfer.models.kv_cache_v41 import new_kv_cache
 
     mcfg = model.cfg
     tokens = max(1, min(config.max_num_batched_tokens, config.max_model_len))

@@ -11,46 +11,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import Attention, ForwardContext
+from .attention import ForwardContext
+from .block import Block
 from .config import DeepseekV4Config
+from .dspark import DSparkStage
 from .kv_cache import ForwardBatch, KVCache
 from .linear import Linear
-from .mhc import hc_head, hc_post, hc_pre
-from .moe import MoE
+from .mhc import hc_head
 from .norm import RMSNorm
 from .rope import Rotary
-
-
-def _hc_params(module: nn.Module, prefix: str, n: int, hidden: int) -> None:
-    mix = (2 + n) * n
-    setattr(module, f"{prefix}_fn", nn.Parameter(torch.zeros(mix, n * hidden, dtype=torch.float32)))
-    setattr(module, f"{prefix}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
-    setattr(module, f"{prefix}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
-
-
-class Block(nn.Module):
-    """One transformer layer (`layers.N.*`, or the body of an MTP stage)."""
-
-    def __init__(self, cfg: DeepseekV4Config, cache_id: int, ratio: int, is_hash: bool, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        _hc_params(self, "hc_attn", cfg.hc_mult, cfg.hidden_size)
-        _hc_params(self, "hc_ffn", cfg.hc_mult, cfg.hidden_size)
-        self.attn = Attention(cfg, cache_id, ratio, dtype)
-        self.ffn = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
-                       cfg.n_shared_experts, is_hash, cfg.vocab_size, cfg.scoring_func, cfg.routed_scaling_factor,
-                       cfg.norm_topk_prob, cfg.swiglu_limit, dtype)
-
-    def forward(self, streams: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        cfg = self.cfg
-        post, comb, x = hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
-                               cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-        streams = hc_post(self.attn(self.attn_norm(x), ctx), streams, post, comb)
-        post, comb, x = hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
-                               cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-        return hc_post(self.ffn(self.ffn_norm(x), ctx.batch.input_ids), streams, post, comb)
 
 
 class MTPStage(Block):
@@ -88,8 +57,7 @@ class DeepseekV4Model(nn.Module):
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
         n_stages = len(cfg.mtp_compress_ratios)
         if cfg.has_dspark:
-            from .dspark import DSparkStage  # stages of the DSpark drafter instead of plain MTP
-
+            # stages of the DSpark drafter instead of plain MTP
             self.mtp = nn.ModuleList(DSparkStage(cfg, k, n_stages, dtype) for k in range(n_stages))
         else:
             self.mtp = nn.ModuleList(MTPStage(cfg, k, dtype) for k in range(n_stages))

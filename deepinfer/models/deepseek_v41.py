@@ -33,66 +33,15 @@ from torch import nn
 
 from .bounded_replay import batch_cuts, kept_rows
 from .config_v41 import DeepseekV41Config
-from .engram import Engram, NgramHasher, compressed_token_map, find_tokenizer_file
+from .engram import NgramHasher, compressed_token_map, find_tokenizer_file
 from .kv_cache import ForwardBatch, SeqMeta, gather_rows, scatter_rows
 from .kv_cache_v41 import GROUP_SWA, KVCacheV41
 from .linear import Linear
 from .norm import RMSNorm
 from .rope import Rotary
-from .v41_attention import Attention41
-from .v41_layers import V41Context, MoE41, _hc_params, hc_collapse, hc_expand, hc_mixes
-
-
-
-
-# ---- blocks ---------------------------------------------------------------------------
-class Block41(nn.Module):
-    """One V4.1 layer (`layers.N.*`) or the body of a DSpark stage (`mtp.K.*`)."""
-
-    def __init__(self, cfg: DeepseekV41Config, layer: int, ratio: int, dtype: torch.dtype,
-                 n_experts: int | None = None, top_k: int | None = None) -> None:
-        super().__init__()
-        self.cfg, self.layer = cfg, layer
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        _hc_params(self, "hc_attn", cfg.hc_mult, cfg.hidden_size)
-        _hc_params(self, "hc_ffn", cfg.hc_mult, cfg.hidden_size)
-        self.attn = Attention41(cfg, layer, ratio, dtype)
-        self.ffn = MoE41(cfg, n_experts or cfg.n_routed_experts, top_k or cfg.num_experts_per_tok, dtype)
-        self.engram_index = cfg.engram_layer_ids.index(layer) if layer in cfg.engram_layer_ids else None
-        if self.engram_index is not None:
-            self.engram = Engram(cfg, cfg.engram_num_embeddings[self.engram_index], dtype)
-
-    def _mixes(self, streams: torch.Tensor, which: str):
-        cfg = self.cfg
-        return hc_mixes(streams, getattr(self, f"{which}_fn"), getattr(self, f"{which}_base"),
-                        getattr(self, f"{which}_scale"), cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-
-    def forward(self, streams: torch.Tensor, pre: torch.Tensor, ctx: V41Context, hash_rows: torch.Tensor | None,
-                publish_ctx: V41Context | None = None, rows: torch.Tensor | None = None, publish_only: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(streams, pre of the previous site) -> (streams, this layer's ffn-site pre).
-        With `publish_ctx` (the replay-start layer) the KV source publishes for every row
-        of publish_ctx first, then the pass continues on `rows` (None = all) under ctx."""
-        if self.engram_index is not None:
-            streams = self.engram(streams, hash_rows[:, self.engram_index])
-        a_pre, a_post, a_comb = self._mixes(streams, "hc_attn")
-        x = self.attn_norm(hc_collapse(streams, pre))
-        if publish_ctx is not None:
-            if self.attn.is_kv_source:
-                self.attn.publish(x, publish_ctx)
-            if publish_only:
-                return None
-            if rows is not None:
-                streams, x, a_pre, a_post, a_comb = (t[rows] for t in (streams, x, a_pre, a_post, a_comb))
-            out = self.attn.attend(x, ctx)
-        else:
-            out = self.attn(x, ctx)
-        streams = hc_expand(out, streams, a_post, a_comb)
-        f_pre, f_post, f_comb = self._mixes(streams, "hc_ffn")
-        x = self.ffn_norm(hc_collapse(streams, a_pre))
-        streams = hc_expand(self.ffn(x, ctx.batch.input_ids), streams, f_post, f_comb)
-        return streams, f_pre
+from .v41_block import Block41
+from .v41_dspark import DSparkStage41
+from .v41_layers import V41Context, hc_collapse
 
 
 # ---- the model ------------------------------------------------------------------------
@@ -111,8 +60,6 @@ class DeepseekV41Model(nn.Module):
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.head = Linear(h, cfg.vocab_size, dtype)
-        from .v41_dspark import DSparkStage41  # it subclasses Block41 (defined above)
-
         n_stages = len(cfg.mtp_compress_ratios)
         self.mtp = nn.ModuleList(DSparkStage41(cfg, k, n_stages, dtype) for k in range(n_stages))
         self.hasher = NgramHasher(cfg) if cfg.engram_layer_ids else None

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .block import Block
 from .config import DeepseekV4Config
-from .deepseek_v4 import Block
 from .linear import Linear
 from .mhc import hc_post, hc_pre
 from .norm import RMSNorm, unweighted_rms_norm

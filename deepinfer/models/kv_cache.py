@@ -162,6 +162,16 @@ def gather_rows(pool: torch.Tensor, table: list[int], start: int, end: int) -> t
     return pool.view(-1, *pool.shape[2:])[slots]
 
 
+def new_kv_cache(cfg, num_blocks: dict[str, int], block_size: int, num_slots: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+    """The KV cache class the config needs (V4 or V4.1); beside group_names / block_bytes /
+    slot_bytes, which also choose by family (kv_cache_v41 never imports this module)."""
+    if getattr(cfg, "is_v41", False):
+        from .kv_cache_v41 import KVCacheV41
+        return KVCacheV41(cfg, num_blocks, block_size, num_slots, dtype, device)
+    return KVCache(cfg, num_blocks, block_size, num_slots, dtype, device)
+
+
 def scatter_rows(pool: torch.Tensor, table: list[int], start: int, rows: torch.Tensor) -> None:
     """Write rows at sequence positions [start, start + len(rows)) of one request."""
     slots = torch.from_numpy(paged_slots(table, start, rows.shape[0], pool.shape[1]))

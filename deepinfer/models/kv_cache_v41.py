@@ -107,13 +107,3 @@ class KVCacheV41:
         tensors = [*self.swa.values(), *self.dec.values(), *self.src_kv.values(), *self.src_index.values(),
                    *self.ring.values()] + ([self.tokens] if self.tokens is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def new_kv_cache(cfg, num_blocks: dict[str, int], block_size: int, num_slots: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
-    """The KV cache class the config needs (V4 or V4.1)."""
-    if getattr(cfg, "is_v41", False):
-        return KVCacheV41(cfg, num_blocks, block_size, num_slots, dtype, device)
-    from .kv_cache import KVCache
-
-    return KVCache(cfg, num_blocks, block_size, num_slots, dtype, device)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from .deepseek_v4 import DeepseekV4Model
-from .kv_cache import ForwardBatch, SeqMeta, group_names
-from .kv_cache_v41 import new_kv_cache
+from .kv_cache import ForwardBatch, SeqMeta, group_names, new_kv_cache
 
 
 class StandaloneRunner:

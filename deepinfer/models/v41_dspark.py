@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 
 from .config_v41 import DeepseekV41Config
-from .deepseek_v41 import Block41
 from .dspark import ConfidenceHead, MarkovHead, block_attention
 from .kv_quant import fp8_block_sim
 from .linear import Linear
 from .norm import RMSNorm
 from .rope import Rotary, apply_rope
+from .v41_block import Block41
 from .v41_layers import hc_collapse, hc_expand
 
 

@@ -25,7 +25,8 @@ from deepinfer import envs
 if TYPE_CHECKING:
     import pandas as pd
 
-    from deepinfer.llm import LLM
+# `llm` is a deepinfer.llm.LLM; not imported, not even for type checking: the engine reaches this module
+# (spec.step_curve reads hardware names), so an import back would close a cycle (tests/test_import_cycles.py)
 
 __all__ = ["git_commit", "hardware_name", "device_name", "run_metadata", "write_results", "torch_profiler_active"]
 
@@ -74,7 +75,7 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
-def run_metadata(llm: LLM, **extra: Any) -> dict[str, Any]:
+def run_metadata(llm: Any, **extra: Any) -> dict[str, Any]:
     """Everything that has to sit beside a measured number."""
     commit, dirty = git_commit()
     mcfg = llm.model_config
