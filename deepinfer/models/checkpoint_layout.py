@@ -28,3 +28,25 @@ def storage_format(name: str, expert_dtype: str | None) -> str:
 def strip_prefix(name: str) -> str:
     """Accept transformers-style `model.` prefixed names too."""
     return name[len("model."):] if name.startswith("model.") else name
+
+
+# What transformers (5.17 / 5.18) `save_pretrained` writes for DeepseekV4ForCausalLM, by
+# official name (checked by saving a tiny random model): `model.`-prefixed official leaf
+# names except these. Its reverse rename of the attention's `kv_norm` is lossy: it comes
+# out as `attn.norm` (no V4 / V4.1 attention has a norm of that name, so the map is safe).
+# `head.weight` is written without a prefix; no MTP stage is written at all.
+_TRANSFORMERS_NAMES = [
+    (re.compile(r"^embed_tokens\.weight$"), "embed.weight"),
+    (re.compile(r"^hc_head\.hc_(fn|base|scale)$"), r"hc_head_\1"),
+    (re.compile(r"^layers\.(\d+)\.attn\.norm\.weight$"), r"layers.\1.attn.kv_norm.weight"),
+]
+
+
+def official_name(name: str) -> str:
+    """The official checkpoint name of a tensor stored under its official name, its
+    `model.`-prefixed form, or the name transformers' `save_pretrained` gives it."""
+    name = strip_prefix(name)
+    for pattern, repl in _TRANSFORMERS_NAMES:
+        if pattern.match(name):
+            return pattern.sub(repl, name)
+    return name

@@ -1,9 +1,10 @@
 """Load a DeepSeek-V4 checkpoint in the official Hugging Face layout.
 
 Reads config.json and sharded safetensors (model.safetensors.index.json, or a single
-model.safetensors) memory-mapped, maps official names (optionally `model.`-prefixed)
-onto the model's parameters and fails with the tensor or field named on anything
-missing, misshapen or unknown. Quantized Linears (FP8 block-scaled, FP4 experts) keep
+model.safetensors) memory-mapped, maps official names (optionally `model.`-prefixed, or
+as transformers' `save_pretrained` writes them: checkpoint_layout.official_name) onto the
+model's parameters and fails with the tensor or field named on anything missing,
+misshapen or unknown. A checkpoint without any `mtp.*` tensor loads without its MTP stage. Quantized Linears (FP8 block-scaled, FP4 experts) keep
 ONE representation: the checkpoint bytes on `Linear.quantized` (the FP8 GEMM and the
 weight-only FP8 / FP4 fused MoE kernels read them on CUDA; elsewhere they are
 dequantized per call).
@@ -14,12 +15,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .checkpoint_layout import strip_prefix
+from .checkpoint_layout import official_name
 from .config import DeepseekV4Config
 from .config_v41 import read_model_config
 from .deepseek_v4 import DeepseekV4Model
@@ -73,8 +75,42 @@ def iter_tensors(path: str, show_progress: bool = False) -> Iterator[tuple[str, 
 
 
 def read_checkpoint(path: str, show_progress: bool = False) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint by official name (`model.` prefix stripped)."""
-    return {strip_prefix(name): tensor for name, tensor in iter_tensors(path, show_progress)}
+    """Every tensor of the checkpoint by official name (`model.` prefix stripped, transformers'
+    `save_pretrained` names mapped: checkpoint_layout.official_name). Two stored tensors
+    with one official name are an error naming both."""
+    out = CheckpointTensors()
+    for name, tensor in iter_tensors(path, show_progress):
+        official = official_name(name)
+        if official in out:
+            raise CheckpointError(f"checkpoint at {path!r} stores {official!r} twice: as "
+                                  f"{out.stored_names[official]!r} and as {name!r}")
+        out[official], out.stored_names[official] = tensor, name
+    return out
+
+
+class CheckpointTensors(dict):
+    """Tensors by official name; ``stored_names``: official name -> the name in the file."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stored_names: dict[str, str] = {}
+
+
+def _named(raw: dict[str, torch.Tensor], name: str) -> str:
+    """``'name'`` or ``'name' (stored as 'model.…')`` for error messages."""
+    stored = getattr(raw, "stored_names", {}).get(name, name)
+    return repr(name) if stored == name else f"{name!r} (stored as {stored!r})"
+
+
+def without_absent_mtp(cfg: DeepseekV4Config, raw: dict[str, torch.Tensor]) -> DeepseekV4Config:
+    """The config to build when the checkpoint has no `mtp.*` tensor at all although its
+    config counts next-n stages (what transformers' `save_pretrained` writes: it keeps
+    num_nextn_predict_layers but drops the stage): no MTP stage. Speculation then fails
+    with a ConfigError (deepinfer.spec.require_draft_stages). A partial stage, or a DSpark
+    config, stays an error naming the missing tensors."""
+    if not cfg.num_nextn_predict_layers or cfg.has_dspark or any(n.startswith("mtp.") for n in raw):
+        return cfg
+    return replace(cfg, num_nextn_predict_layers=0, mtp_compress_ratios=[])
 
 
 def _parse_quantized(name: str, weight: torch.Tensor, scale: torch.Tensor | None) -> QuantizedWeight | None:
@@ -176,7 +212,8 @@ def load_weights(model: DeepseekV4Model, path: str, strict: bool = True, show_pr
                 extra[name] = tensor  # stages beyond num_nextn_predict_layers: kept, unused
                 continue
             if strict:
-                raise CheckpointError(f"unexpected tensor {name!r} in checkpoint (not part of the configured model)")
+                raise CheckpointError(f"unexpected tensor {_named(raw, name)} in checkpoint (not part of the "
+                                      "configured model)")
             continue
         scale = raw.get(name[: -len("weight")] + "scale") if name.endswith(".weight") else None
         quantized = _parse_quantized(name, tensor, scale)
@@ -185,8 +222,8 @@ def load_weights(model: DeepseekV4Model, path: str, strict: bool = True, show_pr
                 name in bytes_only or keeps_bytes_only(quantized.fmt, device)):
             want = (owner.out_features, owner.in_features)
             if _logical_shape(quantized) != want:
-                raise CheckpointError(f"tensor {name!r} has shape {_logical_shape(quantized)} in the checkpoint but "
-                                      f"the config implies {want}")
+                raise CheckpointError(f"tensor {_named(raw, name)} has shape {_logical_shape(quantized)} in the "
+                                      f"checkpoint but the config implies {want}")
             owner.quantized = QuantizedWeight(quantized.fmt, quantized.data.to(device), quantized.scale.to(device),
                                               quantized.block)
             if owner._parameters.get("weight") is not None:
@@ -198,8 +235,8 @@ def load_weights(model: DeepseekV4Model, path: str, strict: bool = True, show_pr
             dense = quantized.dequantize(target.dtype) if quantized is not None else tensor
             if tuple(dense.shape) != tuple(target.shape):
                 raise CheckpointError(
-                    f"tensor {name!r} has shape {tuple(dense.shape)} in the checkpoint but the config implies "
-                    f"{tuple(target.shape)}"
+                    f"tensor {_named(raw, name)} has shape {tuple(dense.shape)} in the checkpoint but the config "
+                    f"implies {tuple(target.shape)}"
                 )
             with torch.no_grad():
                 target.copy_(dense.to(target.dtype))
@@ -237,6 +274,7 @@ def load_model(model_dir: str | None = None, dtype: str | torch.dtype = "auto", 
     cfg = read_model_config(path)
     torch_dtype = parse_dtype(dtype, cfg)
     raw = read_checkpoint(path, show_progress)
+    cfg = without_absent_mtp(cfg, raw)
     with torch.device("meta"):
         model = build_model(cfg, torch_dtype)
     drop_dense_weights(model, raw, device)  # never allocate what only the checkpoint bytes will hold
