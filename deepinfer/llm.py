@@ -78,6 +78,9 @@ class LLM:
         torch.manual_seed(cfg.seed)
         self.model = load_model(self.model_dir, dtype=cfg.dtype, device=str(self.device))
         self.model_config = self.model.cfg
+        if cfg.num_speculative_tokens > 0:  # no draft stage: fail before the KV cache is sized
+            from deepinfer.spec import require_draft_stages
+            require_draft_stages(self.model, cfg.num_speculative_tokens)
         if self.device.type == "cpu":
             small = self.model_config.hidden_size <= 1024
             threads = cfg.cpu_threads or (1 if small else None)

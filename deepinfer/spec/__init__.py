@@ -4,20 +4,36 @@ scheduled verify lengths, metrics. `setup(llm)` wires it into an engine when
 
 from __future__ import annotations
 
+from deepinfer.errors import ConfigError
+
 from .drafter import Draft, DraftContext, Drafter, OracleDrafter, RandomDrafter
 from .metrics import SpecMetrics
 from .scheduling import StepTimeCurve, plan_verify_lengths, split_budget
 
 __all__ = ["Draft", "DraftContext", "Drafter", "OracleDrafter", "RandomDrafter", "SpecMetrics", "StepTimeCurve",
-           "plan_verify_lengths", "split_budget", "setup", "make_drafter"]
+           "plan_verify_lengths", "split_budget", "setup", "make_drafter", "require_draft_stages"]
+
+
+def require_draft_stages(model, k: int) -> None:
+    """ConfigError unless speculation with k > 0 draft tokens has the checkpoint's MTP /
+    next-n stage to draft with. Checked when the model is loaded, before the KV cache is
+    sized and anything is queued."""
+    if k <= 0 or len(getattr(model, "mtp", [])):
+        return
+    where = getattr(model, "model_dir", None)
+    raise ConfigError(
+        f"num_speculative_tokens={k} (DEEPINFER_USE_NEXTN_DECODE) needs an MTP / next-n stage, but the checkpoint"
+        f"{f' at {where!r}' if where else ''} has none (no mtp.* tensors; config.json num_nextn_predict_layers "
+        f"counts the stages a checkpoint has). transformers' save_pretrained does not write the MTP stage. Set "
+        f"num_speculative_tokens=0 / DEEPINFER_USE_NEXTN_DECODE=0 to decode without speculation, or load a "
+        f"checkpoint that has its mtp.* stage (e.g. the official release).", field="num_speculative_tokens")
 
 
 def make_drafter(model, cache, k: int):
     """DSpark when the checkpoint has it, else its MTP stage (V4 only: V4.1's `mtp.*` stages
     are DSpark stages, without the e_proj / h_proj an MTP stage needs)."""
     cfg = model.cfg
-    if not len(getattr(model, "mtp", [])):
-        raise ValueError("num_speculative_tokens > 0 needs a checkpoint with MTP / DSpark stages")
+    require_draft_stages(model, k)
     if getattr(cfg, "is_v41", False) and not cfg.has_dspark:
         raise ValueError("num_speculative_tokens > 0 on a DeepSeek-V4.1 checkpoint needs its DSpark drafter "
                          "(dspark_block_size > 0); V4.1 has no plain MTP stage")
