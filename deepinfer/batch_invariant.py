@@ -48,12 +48,9 @@ import contextlib
 import contextvars
 import functools
 import importlib
-import importlib.util
-import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
 __all__ = ["ROW_TILE", "KEY_BLOCK", "QUERY_TILE", "OPS", "BUILTIN_KERNELS", "enabled", "set_enabled",
@@ -134,7 +131,7 @@ def register_kernel(op: str, device_type: str, fn: Callable[..., Any] | None) ->
     """Make ``fn`` the batch-invariant implementation of ``op`` on ``device_type``
     ("cuda", "npu", "cpu"); ``None`` removes it (back to the torch reference).
 
-    Compiled kernels in ``kernels/`` call this when imported on a machine that can run
+    Compiled kernels in ``deepinfer_kernels`` call this when imported on a machine that can run
     them; they must keep the contract in :data:`OPS` (tests/test_batch_invariance.py
     checks it bitwise for whatever is registered)."""
     if op not in OPS:
@@ -178,18 +175,7 @@ def load_builtin_kernels(device_type: str, ops: list[str] | None = None) -> list
 
 
 def _kernels_module(name: str) -> Any:
-    """``deepinfer_kernels.<name>``; a checkout that was not pip-installed (the device
-    machine runs with PYTHONPATH=.) has the package only as the folder kernels/."""
-    if "deepinfer_kernels" not in sys.modules and importlib.util.find_spec("deepinfer_kernels") is None:
-        init = Path(__file__).resolve().parents[1] / "kernels" / "__init__.py"
-        if not init.exists():
-            raise ImportError("deepinfer_kernels is neither installed nor next to the deepinfer package")
-        spec = importlib.util.spec_from_file_location("deepinfer_kernels", init,
-                                                      submodule_search_locations=[str(init.parent)])
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["deepinfer_kernels"] = module
-        spec.loader.exec_module(module)
+    """``deepinfer_kernels.<name>`` (imported on first use: Triton loads only when the mode is on)."""
     return importlib.import_module(f"deepinfer_kernels.{name}")
 
 

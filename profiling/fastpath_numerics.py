@@ -29,9 +29,6 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from deepinfer.models.fast.decode import _ensure_kernels_importable  # noqa: E402
-
-_ensure_kernels_importable()
 from deepinfer_kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
 from deepinfer_kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
 from deepinfer_kernels.router import router, router_ref  # noqa: E402

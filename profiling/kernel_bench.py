@@ -13,7 +13,6 @@ JSON (results appended as they come, so a cut-short run keeps what it measured).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -26,12 +25,7 @@ from typing import Any, Callable
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-if importlib.util.find_spec("deepinfer_kernels") is None:  # not pip-installed (device machine)
-    _spec = importlib.util.spec_from_file_location("deepinfer_kernels", ROOT / "kernels" / "__init__.py",
-                                                   submodule_search_locations=[str(ROOT / "kernels")])
-    sys.modules["deepinfer_kernels"] = _mod = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_mod)
+sys.path.insert(0, str(ROOT))  # deepinfer and deepinfer_kernels from this checkout
 
 from deepinfer.models.rope import Rotary  # noqa: E402
 from deepinfer_kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402

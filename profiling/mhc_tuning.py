@@ -10,7 +10,7 @@ times ``hc_post_pre`` (+ the sublayer norm, the common call) replayed from a CUD
 for each :class:`~deepinfer_kernels.mhc.MhcTuning` candidate (stage 1: split x mix
 warps; stage 2: the finish kernel's rows per program x warps around the best split),
 checks every candidate against the torch reference, and times an optional baseline
-module (an older kernels/mhc.py) the same way. Prints a table; writes mhc_tuning.json.
+module (an older deepinfer_kernels/mhc.py) the same way. Prints a table; writes mhc_tuning.json.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def large(out_dir: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="profiling/results")
-    ap.add_argument("--baseline", default=None, help="path of an older kernels/mhc.py to time alongside")
+    ap.add_argument("--baseline", default=None, help="path of an older deepinfer_kernels/mhc.py to time alongside")
     ap.add_argument("--large", action="store_true", help="sweep the prefill-sized (tensor-core) mix kernel")
     args = ap.parse_args()
     if args.large:

@@ -257,9 +257,6 @@ def bench_fp8_gemms(cfg, tokens: int = 8192) -> list[dict]:
     ``cfg``'s FP8 projections at ``tokens`` rows, and torch's block-scaled _scaled_mm
     (cuBLAS, 1x128 activations x 128x128 weights) where this torch build has it: TFLOP/s
     and relative error to the w8a8 torch reference."""
-    from deepinfer.models.fast.decode import _ensure_kernels_importable
-
-    _ensure_kernels_importable()  # a source tree on PYTHONPATH (the device machine): kernels/ by path
     from deepinfer_kernels.fp8_gemm import fp8_linear, fp8_linear_ref
 
     h, q = cfg.hidden_size, cfg.q_lora_rank

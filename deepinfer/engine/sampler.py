@@ -172,9 +172,6 @@ class Sampler:
             return None
         if self._kernel is None:
             try:
-                from deepinfer.models.fast.decode import _ensure_kernels_importable
-
-                _ensure_kernels_importable()
                 from deepinfer_kernels.argmax_lse import argmax_logsumexp
             except Exception:  # no triton: the torch reductions
                 if self.fused_reduce:

@@ -157,9 +157,6 @@ class ExpertParallelMoE(nn.Module):
 
     def _run_local_fused(self, x: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
         """:meth:`_run_local` in one fused MoE launch: row i goes to its local slot, weight 1."""
-        from deepinfer.models.fast.decode import _ensure_kernels_importable
-
-        _ensure_kernels_importable()
         from deepinfer_kernels.fused_moe import fused_moe
 
         per = torch.tensor(counts, dtype=torch.int64).flatten()  # [src * slots]: rows per (source, slot)

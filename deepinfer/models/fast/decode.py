@@ -22,10 +22,7 @@ twice (warm-up before a graph capture) without changing the cache.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -36,25 +33,9 @@ from ..rope import Rotary
 from .fused_weights import attention_inputs
 
 
-def _ensure_kernels_importable() -> None:
-    """A source checkout that was not pip-installed (e.g. the device machine with
-    PYTHONPATH=.) has deepinfer_kernels only as the folder kernels/ next to deepinfer/."""
-    if importlib.util.find_spec("deepinfer_kernels") is not None:
-        return
-    init = Path(__file__).resolve().parents[3] / "kernels" / "__init__.py"
-    if not init.exists():
-        raise ImportError("deepinfer_kernels is neither installed nor next to the deepinfer package")
-    spec = importlib.util.spec_from_file_location("deepinfer_kernels", init,
-                                                  submodule_search_locations=[str(init.parent)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["deepinfer_kernels"] = module
-    spec.loader.exec_module(module)
-
-
 def kernel_ops(kind: str) -> SimpleNamespace:
     """The batched ops: ``"triton"`` (deepinfer_kernels) or ``"ref"`` (their torch
     references: per-request loops with host reads, for CPU tests only)."""
-    _ensure_kernels_importable()
     from deepinfer_kernels import argmax_lse as am
     from deepinfer_kernels import compressor_decode as cd
     from deepinfer_kernels import decode_attention as da
