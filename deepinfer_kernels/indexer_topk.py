@@ -121,3 +121,26 @@ def indexer_topk_ref(q: torch.Tensor, weights: torch.Tensor, positions: torch.Te
         top = torch.where(top < n_entries, top, -1)
         rows.append(torch.nn.functional.pad(top, (0, top_k - k), value=-1))
     return torch.cat(rows).to(torch.int32)
+
+
+def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
+                       table: torch.Tensor, ratio: int, n_cols: int, block_n: int = 64,
+                       weight_scale: float = 1.0, rope_inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference with the signature of :func:`indexer_scores`, every row at once: the
+    keys gathered through the table, ``Indexer.select``'s scoring, -inf past each row's
+    (p + 1) // ratio entries. No host read (usable inside a CUDA graph)."""
+    from types import SimpleNamespace
+
+    from deepinfer.models.rope import Rotary, apply_rope
+
+    if rope_inv_freq is not None:
+        cos, sin = Rotary.cos_sin(SimpleNamespace(inv_freq=rope_inv_freq), positions, q.dtype)
+        q = apply_rope(q, cos, sin)
+    per = pool.shape[1]
+    ent = torch.arange(n_cols, device=q.device)
+    blk = table.long().gather(1, (ent // per).expand(q.shape[0], -1))
+    keys = pool[blk, ent % per].float()  # [R, n_cols, Dh]
+    scores = torch.relu(torch.einsum("rhd,rnd->rhn", q.float(), keys)) * q.shape[-1] ** -0.5
+    out = (scores * (weights.float() * weight_scale).unsqueeze(-1)).sum(dim=1)
+    limit = (positions.long() + 1) // ratio
+    return out.masked_fill(ent[None, :] >= limit[:, None], float("-inf"))

@@ -103,7 +103,7 @@ def _mix_kernel(src_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr,
                 T, D, stride_st, stride_sj, stride_ot, n_splits, term_stride,
                 N: tl.constexpr, HAS_POST: tl.constexpr, HEAD: tl.constexpr, CODE: tl.constexpr,
                 INTERP: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT: tl.constexpr, TERMS: tl.constexpr, ALIGNED: tl.constexpr):
+                SPLIT: tl.constexpr, TERMS: tl.constexpr, ALIGNED: tl.constexpr, FP32_POST: tl.constexpr):
     # TERMS = 0: fn is float32 and the dots run in IEEE float32; TERMS > 0: fn is TERMS
     # bfloat16 slices (fn = sum of them, term_stride apart) and v is bf16-exact, so each
     # term's dot runs on the tensor cores with exact products and float32 accumulation.
@@ -142,14 +142,22 @@ def _mix_kernel(src_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr,
             d = (kk % D)[None, :]
         if HAS_POST:  # hc_post of the previous sublayer, for this slice of the new streams
             o = tl.load(out_ptr + r2 * stride_ot + d, mask=m2, other=0.0).to(tl.float32)
-            p = round_to(tl.load(post_ptr + r2 * N + j, mask=m2, other=0.0), CODE, INTERP)
-            v = round_to(p * o, CODE, INTERP)
+            p = tl.load(post_ptr + r2 * N + j, mask=m2, other=0.0)
+            if FP32_POST:  # V4.1: post * o + sum comb * s in float32, one rounding
+                v = p * o
+            else:
+                v = round_to(round_to(p, CODE, INTERP) * o, CODE, INTERP)
             mix = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
             for i in tl.static_range(N):
-                c = round_to(tl.load(comb_ptr + r2 * (N * N) + i * N + j, mask=m2, other=0.0), CODE, INTERP)
+                c = tl.load(comb_ptr + r2 * (N * N) + i * N + j, mask=m2, other=0.0)
+                if not FP32_POST:
+                    c = round_to(c, CODE, INTERP)
                 s = tl.load(src_ptr + r2 * stride_st + i * stride_sj + d, mask=m2, other=0.0).to(tl.float32)
                 mix += c * s
-            v = round_to(v + round_to(mix, CODE, INTERP), CODE, INTERP)
+            if FP32_POST:
+                v = round_to(v + mix, CODE, INTERP)
+            else:
+                v = round_to(v + round_to(mix, CODE, INTERP), CODE, INTERP)
             tl.store(new_ptr + r2 * K + kk[None, :], v.to(new_ptr.dtype.element_ty), mask=m2)
         else:
             v = tl.load(src_ptr + r2 * stride_st + j * stride_sj + d, mask=m2, other=0.0).to(tl.float32)
@@ -188,7 +196,7 @@ def _mix_rows_kernel(src_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part
                      T, D, stride_st, stride_sj, stride_ot, n_splits,
                      N: tl.constexpr, HAS_POST: tl.constexpr, HEAD: tl.constexpr, CODE: tl.constexpr,
                      INTERP: tl.constexpr, NP: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
-                     MIXP: tl.constexpr):
+                     MIXP: tl.constexpr, FP32_POST: tl.constexpr):
     """``_mix_kernel`` for decode-sized steps, without tl.dot: a program owns SPLIT columns
     of ONE stream (SPLIT divides D, so post / comb of that stream are scalars) for ROWS
     tokens, loads its [mixes, SPLIT] slice of fn once and reduces each token's products
@@ -211,13 +219,21 @@ def _mix_rows_kernel(src_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part
             row64 = row.to(tl.int64)
             if HAS_POST:
                 o = tl.load(out_ptr + row64 * stride_ot + d).to(tl.float32)
-                p = round_to(tl.load(post_ptr + row64 * N + j), CODE, INTERP)
-                v = round_to(p * o, CODE, INTERP)
+                p = tl.load(post_ptr + row64 * N + j)
+                if FP32_POST:
+                    v = p * o
+                else:
+                    v = round_to(round_to(p, CODE, INTERP) * o, CODE, INTERP)
                 mix = tl.zeros([SPLIT], dtype=tl.float32)
                 for ii in tl.static_range(N):
-                    c = round_to(tl.load(comb_ptr + row64 * (N * N) + ii * N + j), CODE, INTERP)
+                    c = tl.load(comb_ptr + row64 * (N * N) + ii * N + j)
+                    if not FP32_POST:
+                        c = round_to(c, CODE, INTERP)
                     mix += c * tl.load(src_ptr + row64 * stride_st + ii * stride_sj + d).to(tl.float32)
-                v = round_to(v + round_to(mix, CODE, INTERP), CODE, INTERP)
+                if FP32_POST:
+                    v = round_to(v + mix, CODE, INTERP)
+                else:
+                    v = round_to(v + round_to(mix, CODE, INTERP), CODE, INTERP)
                 tl.store(new_ptr + row64 * K + kk, v.to(new_ptr.dtype.element_ty))
             else:
                 v = tl.load(src_ptr + row64 * stride_st + j * stride_sj + d).to(tl.float32)
@@ -233,10 +249,10 @@ def _sigmoid(x):
 
 @triton.jit(do_not_specialize=["T"])
 def _finish_kernel(src_ptr, stride_st, stride_sj, part_ptr, ss_ptr, base_ptr, scale_ptr, norm_w_ptr,
-                   post_ptr, comb_ptr, x_ptr, T, D, n_splits, iters, hc_eps, norm_eps, out_eps,
-                   N: tl.constexpr, HEAD: tl.constexpr, HAS_NORM: tl.constexpr, CODE: tl.constexpr,
+                   post_ptr, comb_ptr, x_ptr, pre_in_ptr, pre_out_ptr, T, D, n_splits, iters, hc_eps, norm_eps,
+                   out_eps, N: tl.constexpr, HEAD: tl.constexpr, HAS_NORM: tl.constexpr, CODE: tl.constexpr,
                    INTERP: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_S: tl.constexpr, ONE_PASS: tl.constexpr):
+                   BLOCK_S: tl.constexpr, ONE_PASS: tl.constexpr, SHIFTED: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     r2 = rows.to(tl.int64)[:, None]
@@ -277,6 +293,9 @@ def _finish_kernel(src_ptr, stride_st, stride_sj, part_ptr, ss_ptr, base_ptr, sc
             comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
             comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
         tl.store(comb_ptr + r2 * (N * N) + cc[None, :], tl.reshape(comb, [BLOCK_T, N * N]), mask=rmask[:, None])
+    if SHIFTED:  # V4.1: this site's pre is output; the input collapses with the previous site's
+        tl.store(pre_out_ptr + r2 * N + cp[None, :], pre, mask=rmask[:, None] & pmask[None, :])
+        pre = tl.load(pre_in_ptr + r2 * N + cp[None, :], mask=rmask[:, None] & pmask[None, :], other=0.0)
     # collapse (and the sublayer's RMSNorm): in registers when a row fits one tile, else
     # two passes (the first for the sum of squares)
     if ONE_PASS:
@@ -350,7 +369,8 @@ def _check_streams(streams: torch.Tensor) -> None:
 
 
 def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-            hc_eps: float, norm_eps: float, head: bool, prev: tuple | None, norm: tuple | None):
+            hc_eps: float, norm_eps: float, head: bool, prev: tuple | None, norm: tuple | None,
+            pre_in: torch.Tensor | None = None):
     check_device(streams)
     _check_streams(streams)
     t, n, d = streams.shape
@@ -383,13 +403,18 @@ def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     post = torch.empty(t, n, dtype=torch.float32, device=dev)
     comb = torch.empty(t, n, n, dtype=torch.float32, device=dev)
     x = torch.empty(t, d, dtype=dtype, device=dev)
+    pre_out = torch.empty(t, n, dtype=torch.float32, device=dev) if pre_in is not None else None
+    if pre_in is not None:
+        pre_in = pre_in.float().contiguous()
     if t == 0:
-        return new, post, comb, x
+        return (new, post, comb, x) if pre_in is None else (new, pre_out, post, comb, x)
     code, interp = dtype_code(dtype), interpreting()
     opts = {} if interp else {"enable_fp_fusion": False}
     mix_args = (streams, out, post_in, comb_in, new if new is not None else x, fn, part, ss,
                 t, d, streams.stride(0), streams.stride(1), out.stride(0), n_splits)
-    mix_kw = dict(N=n, HAS_POST=prev is not None, HEAD=head, CODE=code, INTERP=interp, NP=np_, SPLIT=split, **opts)
+    shifted = pre_in is not None
+    mix_kw = dict(N=n, HAS_POST=prev is not None, HEAD=head, CODE=code, INTERP=interp, NP=np_, SPLIT=split,
+                  FP32_POST=shifted, **opts)
     if rows:
         _mix_rows_kernel[(triton.cdiv(t, tune.rows_per_program), n_splits)](
             *mix_args, ROWS=tune.rows_per_program, MIXP=next_pow2(n if head else (2 + n) * n),
@@ -409,11 +434,12 @@ def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     block_d = next_pow2(d) if next_pow2(d) * tune.finish_block_t <= tune.finish_one_pass else min(256, next_pow2(d))
     _finish_kernel[(triton.cdiv(t, tune.finish_block_t),)](
         src, src.stride(0), src.stride(1), part, ss, base, scale, norm_w, post, comb, x,
-        t, d, n_splits, int(iters), float(hc_eps), float(norm_eps), out_eps,
+        pre_in if shifted else post, pre_out if shifted else post, t, d, n_splits, int(iters), float(hc_eps),
+        float(norm_eps), out_eps,
         N=n, HEAD=head, HAS_NORM=norm is not None, CODE=code, INTERP=interp, NP=np_, BLOCK_T=tune.finish_block_t,
-        BLOCK_D=block_d, BLOCK_S=min(tune.finish_splits, next_pow2(n_splits)), ONE_PASS=block_d >= d,
+        BLOCK_D=block_d, BLOCK_S=min(tune.finish_splits, next_pow2(n_splits)), ONE_PASS=block_d >= d, SHIFTED=shifted,
         num_warps=tune.finish_warps, **opts)
-    return new, post, comb, x
+    return (new, post, comb, x) if pre_in is None else (new, pre_out, post, comb, x)
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
@@ -444,6 +470,19 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     head collapsed) (the model's final streams, e.g. for an MTP drafter)."""
     new, _, _, x = _launch(streams, fn, base, scale, 0, hc_eps, norm_eps, True, prev, norm)
     return (x, streams if new is None else new) if return_streams else x
+
+
+def hc_shifted(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+               hc_eps: float, norm_eps: float, pre_in: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
+               prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4.1's shifted mHC site (``v41_layers.hc_mixes`` / ``hc_collapse`` /
+    ``hc_expand``): ``prev=(out, post, comb)`` first applies the previous sublayer's
+    expansion in float32 with one rounding; this site's (pre, post, comb) come from the
+    new streams, but the sublayer input collapses them with ``pre_in`` [T, N] (the
+    previous site's pre), then ``norm``. -> (new streams or None without ``prev``, pre,
+    post, comb, x)."""
+    return _launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, prev, norm, pre_in)
 
 
 # ----------------------------------------------------------------------------- references
@@ -479,3 +518,15 @@ def hc_head_ref(streams, fn, base, scale, hc_eps, norm_eps, norm=None, prev=None
         streams = mhc.hc_post(prev[0], streams, prev[1], prev[2])
     x = _ref_norm(mhc.hc_head(streams, fn, base, scale, hc_eps, norm_eps), norm)
     return (x, streams) if return_streams else x
+
+
+def hc_shifted_ref(streams, fn, base, scale, iters, hc_eps, norm_eps, pre_in, norm=None, prev=None):
+    """Torch reference of :func:`hc_shifted`: V4.1's own ``hc_expand``, ``hc_mixes``,
+    ``hc_collapse`` (+ RMSNorm)."""
+    from deepinfer.models.v41_layers import hc_collapse, hc_expand, hc_mixes
+
+    new = None
+    if prev is not None:
+        streams = new = hc_expand(prev[0], streams, prev[1], prev[2])
+    pre, post, comb = hc_mixes(streams, fn, base, scale, iters, hc_eps, norm_eps)
+    return new, pre, post, comb, _ref_norm(hc_collapse(streams, pre_in), norm)

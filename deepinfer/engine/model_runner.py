@@ -27,6 +27,7 @@ from deepinfer.engine.transfer import HostResult, ResultCopier, to_device
 from deepinfer.models.deepseek_v4 import DeepseekV4Model
 from deepinfer.models.fast.prefill import PrefillPath
 from deepinfer.models.fast.runner import FastPath
+from deepinfer.models.bounded_replay import replay_free
 from deepinfer.models.kv_cache import ForwardBatch, KVCache, SeqMeta
 from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, WAIT, phase
 
@@ -107,7 +108,7 @@ class ModelRunner:
         with phase(PREPARE_INPUTS):
             batch = self.build_batch(so)
             fast = self.fast
-            if fast is not None and self.replay is None and not batch_invariant.enabled():
+            if fast is not None and not batch_invariant.enabled() and replay_free(so, self.replay, self.model.cfg):
                 batch.decode = fast.prepare(so, batch)  # None unless a pure-decode step
             prefill = None
             if (batch.decode is None and self.fast_prefill is not None and self.replay is None

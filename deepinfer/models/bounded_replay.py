@@ -102,6 +102,17 @@ class ReplayConfig:
         return self.cut(request.num_prompt_tokens)
 
 
+def replay_free(so, replay: ReplayConfig | None, cfg) -> bool:
+    """Whether bounded replay changes nothing for this step's rows: every row's window
+    ``[p - W + 1, p]`` lies at or after its request's cut (decode rows always do, since
+    keep >= W). Such steps may run on a batched path that does not narrow windows."""
+    if replay is None or not replay.active:
+        return True
+    w = cfg.sliding_window
+    cuts = ((r.start_pos, replay.cut(r.num_prompt_tokens)) for r in so.scheduled)
+    return all(cut == 0 or start - w + 1 >= cut for start, cut in cuts)
+
+
 def batch_cuts(batch) -> list[int]:
     """Per-sequence cut of a ForwardBatch (all 0 when replay is off or absent)."""
     replay = getattr(batch, "replay", None)

@@ -166,18 +166,26 @@ class NgramHasher:
         """history: raw token ids of positions [start - lookback, end) of ONE request
         (entries for negative positions are ignored). Returns [end - start, layers, cols]
         int64 row ids (offsets included)."""
-        self._to(history.device)
         n_rows = history.shape[0] - self.lookback
-        ids = self.token_map[history.clamp(min=0)]
+        # column k = the token k positions back (history is in position order)
+        window = torch.stack([history[self.lookback - k: self.lookback - k + n_rows] for k in range(self.max_ngram)],
+                             dim=1)
+        return self.hash_window(window, torch.arange(start, start + n_rows, device=history.device))
+
+    def hash_window(self, window: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """window [R, max_ngram] raw token ids, column k = the token at position p - k
+        (ignored where p - k < 0); positions [R]. Returns [R, layers, cols] int64 row ids.
+        Rows are independent (the fast path hashes a whole decode batch at once)."""
+        self._to(window.device)
+        ids = self.token_map[window.clamp(min=0)]
         pad = self.token_map[self.pad_token]
-        pos = torch.arange(start, start + n_rows, device=history.device)
-        blocked = torch.zeros(n_rows, dtype=torch.bool, device=history.device)
-        rolling = torch.zeros(n_rows, self.multipliers.shape[0], dtype=torch.int64, device=history.device)
+        n_rows = window.shape[0]
+        blocked = torch.zeros(n_rows, dtype=torch.bool, device=window.device)
+        rolling = torch.zeros(n_rows, self.multipliers.shape[0], dtype=torch.int64, device=window.device)
         hashes = []
         for k in range(self.max_ngram):
-            blocked = blocked | (pos - k < 0)
-            src = ids[self.lookback - k: self.lookback - k + n_rows]
-            value = torch.where(blocked, pad, src)
+            blocked = blocked | (positions - k < 0)
+            value = torch.where(blocked, pad, ids[:, k])
             rolling = torch.bitwise_xor(rolling, value[:, None] * self.multipliers[None, :, k])
             if k:
                 hashes.append(rolling[:, :, None] % self.primes[None, :, k - 1, :])  # [R, L, H]

@@ -12,21 +12,36 @@ from __future__ import annotations
 
 import torch
 
-from .quant import FP4_E2M1_MAX, FP8_E4M3_MAX, e8m0_to_float, float_to_e8m0
+from .quant import FP4_E2M1_MAX, FP8_E4M3_MAX
 
 _E2M1_MAG = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
-    """Smallest power of two >= x (x > 0), as the ue8m0 scale rounding does."""
-    return e8m0_to_float(float_to_e8m0(x, "ceil"))
+    """Smallest power of two >= x for positive normal float32 x, as the ue8m0 scale
+    rounding does; bit operations only (no host sync: CUDA-graph safe)."""
+    bits = x.float().contiguous().view(torch.int32)
+    exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exp.clamp(max=254) << 23).view(torch.float32)
+
+
+_E2M1_CONSTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _e2m1_consts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bounds, magnitudes) on ``device``, built once (a host-built tensor per call would
+    be a host -> device copy, which a CUDA-graph capture forbids)."""
+    consts = _E2M1_CONSTS.get(device)
+    if consts is None:
+        consts = _E2M1_CONSTS[device] = (torch.tensor(_E2M1_BOUNDS, dtype=torch.float32, device=device),
+                                         torch.tensor(_E2M1_MAG, dtype=torch.float32, device=device))
+    return consts
 
 
 def e2m1_round(q: torch.Tensor) -> torch.Tensor:
     """Round float32 values (already within +-6) to the e2m1 grid, ties to the even code."""
-    bounds = torch.tensor(_E2M1_BOUNDS, dtype=torch.float32, device=q.device)
-    mags = torch.tensor(_E2M1_MAG, dtype=torch.float32, device=q.device)
+    bounds, mags = _e2m1_consts(q.device)
     a = q.abs()
     code = torch.bucketize(a, bounds)  # a == bound goes to the lower code ...
     tie = (a == bounds[code.clamp(max=len(_E2M1_BOUNDS) - 1)]) & (code % 2 == 1)

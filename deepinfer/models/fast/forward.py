@@ -102,10 +102,15 @@ def decode_logits(model: Any, batch: ForwardBatch, cache: KVCache,
     ``capture``: for every layer id among its keys, ``capture[i]`` is set to that layer's
     input streams [R, N, D], as ``DeepseekV4Model.forward`` does."""
     streams, prev = _layers(model, batch, cache, capture)
-    hidden = _head(model, batch.decode.ops, streams, prev, False)
+    return head_logits(model, batch.decode.ops, _head(model, batch.decode.ops, streams, prev, False))
+
+
+def head_logits(model: Any, ops: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head over normed hidden rows [R, D] -> float32 logits [R, V] (a dense head
+    and a small step take the skinny GEMM, which writes float32 without a cast)."""
     w = model.head._parameters.get("weight")
     if w is not None and model.head.quantized is None and hidden.shape[0] <= SKINNY_HEAD_MAX_ROWS:
-        return batch.decode.ops.skinny_linear(hidden, w, out_dtype=torch.float32)
+        return ops.skinny_linear(hidden, w, out_dtype=torch.float32)
     return model.head(hidden).float()
 
 

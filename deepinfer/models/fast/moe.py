@@ -113,15 +113,19 @@ def supported(moe: torch.nn.Module) -> bool:
     return isinstance(moe, MoE) and moe.gate.func in ("sqrtsoftplus", "sigmoid") and moe.load_counter is None
 
 
-def moe_forward(moe: torch.nn.Module, x: torch.Tensor, input_ids: torch.Tensor, ops: Any) -> torch.Tensor:
-    """x [T, hidden] -> [T, hidden]; same math as ``MoE.forward``."""
+def moe_forward(moe: torch.nn.Module, x: torch.Tensor, input_ids: torch.Tensor, ops: Any,
+                logits: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, hidden] -> [T, hidden]; same math as ``MoE.forward``. ``logits``: the router
+    logits when the family computes them its own way (V4.1: float32, over gate_temp);
+    default the gate GEMM in x's dtype."""
     gate = moe.gate
     quantized = quantized_experts(moe)
     w1, w3, w2 = stacked_experts(moe) if quantized is None else (None, None, None)
     fused_shared = w1 is not None and w1.shape[0] > moe.n_experts
     extra = {"extra_id": moe.n_experts} if fused_shared else {}
-    logits = F.linear(x, gate.weight)
-    if gate.is_hash:
+    if logits is None:
+        logits = F.linear(x, gate.weight)
+    if getattr(gate, "is_hash", False):
         weights, ids = ops.router(logits, None, gate.top_k, gate.route_scale, gate.normalize, gate.func,
                                   tid2eid=gate.tid2eid, input_ids=input_ids, **extra)
     else:

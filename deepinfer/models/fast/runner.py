@@ -47,6 +47,7 @@ from deepinfer.engine.transfer import copy_to_device
 from ..kv_cache import ForwardBatch
 from .decode import DecodeMeta, kernel_ops
 from .forward import decode_logits, decode_streams
+from .v41_forward import decode_logits_v41
 from .moe import supported as moe_supported
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -58,6 +59,25 @@ register_env_var("DEEPINFER_FASTPATH", "auto|0|1|ref|triton: fast path of pure-d
 register_env_var("DEEPINFER_CUDA_GRAPHS", "0|1 (default 1): CUDA graphs of pure-decode steps on the fast path")
 register_env_var("DEEPINFER_CUDA_GRAPH_WARMUP", "auto|0|1: capture every decode graph shape at engine start, largest "
                  "first (auto = on CUDA; 0 = capture on first use; 1 = also emulated on a host cache: tests)")
+
+
+@dataclass(frozen=True)
+class DecodeProgram:
+    """A family's batched decode forward: ``logits(model, batch, cache, capture)`` -> [R, V]
+    float32, ``streams(...)`` -> the final streams a speculative verify step computes its
+    logits and drafts from (None: that family's verify rows run on the reference path)."""
+
+    logits: Any
+    streams: Any = None
+
+
+#: model class name -> its decode program (the model registry's executor entry)
+DECODE_PROGRAMS = {"DeepseekV4Model": DecodeProgram(decode_logits, decode_streams),
+                   "DeepseekV41Model": DecodeProgram(decode_logits_v41)}
+
+
+def decode_program(model: Any) -> DecodeProgram | None:
+    return DECODE_PROGRAMS.get(type(model).__name__)
 
 
 def _next_pow2(n: int) -> int:
@@ -103,7 +123,8 @@ class FastPath:
     def __init__(self, model: Any, cache: Any, ops: Any, graphs: bool) -> None:
         self.model, self.cache, self.ops = model, cache, ops
         self.device = cache.swa[0].device
-        self.groups = [g for g in ("swa", "csa", "hca") if g in cache.num_blocks]
+        self.groups = list(cache.num_blocks)  # the family's block groups (V4: swa/csa/hca, V4.1: swa/dec/src)
+        self.program = decode_program(model)
         self.graphs_enabled = graphs
         self.max_graph_batch = BUCKETS[-1]
         self._inputs: dict[tuple[int, int], StepInputs] = {}  # persistent per graph shape
@@ -119,12 +140,8 @@ class FastPath:
 
     @classmethod
     def create(cls, model: Any, cache: Any) -> FastPath | None:
-        from ..deepseek_v4 import DeepseekV4Model
-
         mode = os.environ.get("DEEPINFER_FASTPATH", "auto").lower()
-        if mode in ("0", "off", "false", "no") or type(model) is not DeepseekV4Model:
-            return None
-        if getattr(model.cfg, "is_v41", False):
+        if mode in ("0", "off", "false", "no") or decode_program(model) is None:
             return None
         n = model.cfg.hc_mult
         if n < 4 or n & (n - 1):  # the fused mHC kernels hold N x N in registers
@@ -258,7 +275,7 @@ class FastPath:
     def _logits(self, meta: DecodeMeta, capture: dict | None = None) -> torch.Tensor:
         batch = ForwardBatch(meta.ids, meta.positions, [])
         batch.decode = meta
-        return decode_logits(self.model, batch, self.cache, capture)
+        return self.program.logits(self.model, batch, self.cache, capture)
 
     def eager_logits(self, batch: ForwardBatch, capture: dict | None = None) -> torch.Tensor:
         """Logits [R, V] of a prepared step run eagerly (graphs bypassed); ``capture`` as in
@@ -269,13 +286,15 @@ class FastPath:
         batch = ForwardBatch(meta.ids, meta.positions, [])
         batch.decode = meta
         capture = dict.fromkeys(layers) if layers else None
-        return decode_streams(self.model, batch, self.cache, capture), capture or {}
+        return self.program.streams(self.model, batch, self.cache, capture), capture or {}
 
     def forward_streams(self, so: Any, batch: ForwardBatch, capture: dict | None = None) -> torch.Tensor | None:
         """Final streams [T, N, D] of a decode-like step (speculative verify: the spec runner
         computes its logits and drafts from them), from a CUDA graph per (rows bucket, table
         width, captured layers) when one fits, else eagerly; None when the step is not
         decode-like. ``capture`` as ``DeepseekV4Model.forward``'s (the drafter's layers)."""
+        if self.program.streams is None:  # the family's verify rows stay on the reference path for now
+            return None
         meta = self.prepare(so, batch)
         if meta is None:
             return None

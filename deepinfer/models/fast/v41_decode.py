@@ -1,0 +1,223 @@
+"""Batched decode attention of DeepSeek-V4.1 on the fast path: a few rows per request
+(a decode token, or a token and its drafts), every request at once, no host read and no
+Python loop over requests (CUDA-graph safe).
+
+Mirrors ``Attention41.forward`` (publish + attend) and ``Indexer41.select`` for rows that
+continue a request (``seq.length <= MAX_ROWS``, not newly admitted):
+
+* the window KV row (``kv_norm(wkv(x))``, RoPE, FP8 rounding when the checkpoint asks)
+  goes into the layer's own window pool (``swa`` or ``dec`` group) at its position;
+* a KV source's compressor writes the projections of every row into the request's ring
+  (ratio 2) and, for the rows that close a group, the pooled latent's entry (RoPE'd, FP4
+  rounded) and its index key (``k_norm(wk(latent))``, RoPE'd) into the shared pools;
+* an index source scores every visible entry of its source's index keys (Triton
+  ``indexer_scores``), the candidate source publishes its top blocks, later index sources
+  score only inside them, and the top-k goes to every later layer of the pass;
+* attention is ``decode_attention`` over the window and the selected shared entries.
+
+Every write is idempotent (same inputs, same values), so a step may run twice (the
+warm-up before a graph capture); padded graph rows repeat row 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..kv_cache_v41 import GROUP_SRC
+from ..kv_quant import fp4_block_sim, fp8_block_sim
+from ..rope import apply_rope
+from .decode import DecodeMeta, _inv_freq, grouped_out
+from .fused_weights import project
+
+
+@dataclass
+class RowGroups:
+    """Where each row sits in its request's consecutive rows (device tensors [R])."""
+
+    first: torch.Tensor  # bool: the request's first row of this step
+
+    @classmethod
+    def of(cls, meta: DecodeMeta) -> "RowGroups":
+        n = meta.positions.shape[0]
+        if meta.starts is None:
+            return cls(torch.ones(n, dtype=torch.bool, device=meta.positions.device))
+        rows = torch.arange(n, device=meta.positions.device, dtype=meta.starts.dtype)
+        return cls(torch.isin(rows, meta.starts[:-1]))
+
+
+@dataclass
+class V41DecodeStep:
+    """What every layer of one V4.1 decode pass shares: the step's inputs, the cache, the
+    rotary frequencies on the device, and the latest index source's picks."""
+
+    meta: DecodeMeta
+    cache: Any
+    inv_main: torch.Tensor
+    inv_comp: torch.Tensor
+    groups: RowGroups
+    topk: torch.Tensor | None = None  # [R, index_topk] int32 entry ids (-1 = none)
+    candidates: torch.Tensor | None = None  # [R, n_blocks] bool (the candidate source's pick)
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, model: Any, meta: DecodeMeta, cache: Any) -> "V41DecodeStep":
+        dev = meta.positions.device
+        return cls(meta, cache, _inv_freq(model.rotary_main, dev), _inv_freq(model.rotary_compress, dev),
+                   RowGroups.of(meta))
+
+
+def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Rotary.cos_sin`` from frequencies already on the device."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    return freqs.cos().to(dtype).float(), freqs.sin().to(dtype).float()
+
+
+def paged_write(pool: torch.Tensor, table: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
+                where: torch.Tensor | None = None) -> None:
+    """pool[table[r, index // per], index % per] = values[r] (only where ``where``: a
+    read-modify-write, so skipped rows rewrite what is there)."""
+    per = pool.shape[1]
+    idx = index.long()
+    blk = table.long().gather(1, (idx // per)[:, None])[:, 0]
+    sub = idx % per
+    if where is not None:
+        shape = (-1,) + (1,) * (values.dim() - 1)
+        values = torch.where(where.view(shape), values.to(pool.dtype), pool[blk, sub])
+    pool[blk, sub] = values.to(pool.dtype)
+
+
+def _float_weight(lin: torch.nn.Module) -> torch.Tensor:
+    """A float32 copy of a dense Linear's weight, kept on the module until the weight moves
+    (the compressor and router project in float32, as the reference does)."""
+    w = lin.weight
+    hit = lin.__dict__.get("_fast_w32")
+    if hit is None or hit[0] != (w.data_ptr(), w._version):
+        hit = lin.__dict__["_fast_w32"] = ((w.data_ptr(), w._version), w.detach().float())
+    return hit[1]
+
+
+def _linear_f32(lin: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if lin.quantized is not None or lin._parameters.get("weight") is None:
+        return lin(x).float()  # quantized checkpoint bytes: their own GEMM
+    return F.linear(x.float(), _float_weight(lin))
+
+
+def publish(attn: torch.nn.Module, x: torch.Tensor, step: V41DecodeStep) -> None:
+    """A KV source's compressor for this step's rows (``Attention41.publish``)."""
+    comp, meta, cache = attn.compressor, step.meta, step.cache
+    r, pos = comp.ratio, meta.positions.long()
+    if r == 1:
+        latent, closes = comp.norm(comp.wkv(x)), None
+    else:
+        kv, sc = _linear_f32(comp.wkv, x), _linear_f32(comp.wgate, x)
+        ring = cache.ring[attn.layer]  # [slots, L, 2, d] f32: the projections at position % L
+        n_ring, slot = ring.shape[1], meta.slots.long()
+        # the previous row of the group: this step's previous row, or the ring
+        prev = torch.where(step.groups.first[:, None, None], ring[slot, (pos - 1) % n_ring],
+                           torch.stack([kv, sc], dim=1).roll(1, dims=0))
+        ring[slot, pos % n_ring] = torch.stack([kv, sc], dim=1)
+        if r != 2:
+            raise NotImplementedError(f"V4.1 fast decode pools ratio 1 or 2, got ratio {r}")
+        kv_win = torch.stack([prev[:, 0], kv], dim=1)  # [R, 2, d] positions p - 1, p
+        sc_win = torch.stack([prev[:, 1], sc], dim=1)
+        latent = comp.norm((kv_win * sc_win.softmax(dim=1)).sum(dim=1).to(x.dtype))
+        closes = (pos + 1) % r == 0
+    group = pos // r
+    cos, sin = cos_sin(step.inv_comp, group * r, latent.dtype)
+    table = meta.tables32[GROUP_SRC]
+    paged_write(cache.src_index[attn.layer], table, group, attn.indexer.keys(latent, cos, sin), closes)
+    entries = apply_rope(latent, cos, sin)
+    if attn.sim:
+        entries = fp4_block_sim(entries, 16, e4m3_scale=True)
+    paged_write(cache.src_kv[attn.layer], table, group, entries, closes)
+
+
+def select(attn: torch.nn.Module, x_weights: torch.Tensor, iq_raw: torch.Tensor, step: V41DecodeStep,
+           n_cols: int) -> torch.Tensor:
+    """An index source's top-k entry ids [R, index_topk] int32 (-1 = none), ``Indexer41.select``."""
+    ix, meta = attn.indexer, step.meta
+    pos = meta.positions
+    n = iq_raw.shape[0]
+    cos, sin = cos_sin(step.inv_comp, pos, iq_raw.dtype)
+    q = apply_rope(iq_raw.reshape(n, ix.n_heads, ix.dim), cos, sin)
+    if ix.sim:
+        q = fp4_block_sim(q, 32)
+    src = attn.kv_source
+    scores = meta.ops.indexer_scores(q, x_weights, pos, step.cache.src_index[src], meta.tables32[GROUP_SRC],
+                                     ix.ratio, n_cols, weight_scale=ix.n_heads ** -0.5)
+    if ix.is_candidate_source:
+        step.candidates = _candidate_blocks(scores, (pos.long() + 1) // ix.ratio, ix.cand_block, ix.cand_topk)
+    elif ix.uses_candidates and step.candidates is not None:
+        allowed = step.candidates.repeat_interleave(ix.cand_block, dim=1)[:, :n_cols]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+    k = min(ix.topk, n_cols)
+    top = torch.where(vals[:, :k] == float("-inf"), -1, idx[:, :k])
+    return F.pad(top, (0, ix.topk - k), value=-1).to(torch.int32)
+
+
+def _candidate_blocks(scores: torch.Tensor, lens: torch.Tensor, block: int, top_blocks: int) -> torch.Tensor:
+    """Level one of the two-level top-k (``Indexer41._candidate_blocks``) over padded
+    columns: blocks past a row's entries are -inf and never kept, as in the reference."""
+    n = scores.shape[1]
+    nb = -(-n // block)
+    blocks = F.pad(scores, (0, nb * block - n), value=float("-inf")).view(-1, nb, block).amax(dim=-1)
+    newest = ((lens - 1) // block).clamp(min=0)
+    pin = (torch.arange(nb, device=scores.device)[None, :] == newest[:, None]) & (lens[:, None] > 0)
+    blocks = blocks.masked_fill(pin, float("inf"))
+    vals, order = torch.sort(blocks, dim=-1, descending=True, stable=True)
+    kb = min(top_blocks, nb)
+    keep = torch.zeros_like(blocks, dtype=torch.bool)
+    return keep.scatter_(1, order[:, :kb], vals[:, :kb] > float("-inf"))
+
+
+def attention_decode_v41(attn: torch.nn.Module, x: torch.Tensor, step: V41DecodeStep) -> torch.Tensor:
+    """``Attention41.forward`` for decode-like rows: x [R, hidden] (normed) -> [R, hidden]."""
+    meta, cache = step.meta, step.cache
+    ops, pos, n = meta.ops, meta.positions, x.shape[0]
+    comp, ix = attn.compressor, attn.indexer
+    x_side = [attn.wq_a, attn.wkv] + ([ix.weights_proj] if ix is not None else [])
+    proj = project(attn, "x41", x_side, x)
+    if comp is not None:
+        publish(attn, x, step)
+    q_res = ops.rms_norm(proj[0], attn.q_norm.weight, attn.q_norm.eps)
+    q_side = project(attn, "q41", [attn.wq_b] + ([ix.wq_b] if ix is not None else []), q_res)
+    inv = step.inv_comp if attn.ratio else step.inv_main
+    q = ops.norm_rope(q_side[0].view(n, attn.n_heads, attn.head_dim), pos, inv, "none")
+    pool, group = cache.window(attn.layer)
+    table = meta.tables32[group]
+    if attn.sim:  # FP8 window KV: rounded before it is stored
+        kv = ops.norm_rope(proj[1], pos, inv, "weighted", attn.kv_norm.weight, attn.kv_norm.eps)
+        paged_write(pool, table, pos, fp8_block_sim(kv.reshape(n, -1), 32))
+    else:
+        ops.norm_rope(proj[1], pos, inv, "weighted", attn.kv_norm.weight, attn.kv_norm.eps, pool=pool, table=table)
+    comp_pool = comp_table = None
+    max_keys = attn.window
+    if attn.ratio:
+        n_cols = meta.width * cache.block_size // attn.ratio
+        if ix is not None:
+            step.topk = select(attn, proj[2], q_side[1], step, n_cols)
+        comp_pool, comp_table = cache.src_kv[attn.kv_source], meta.tables32[GROUP_SRC]
+        max_keys += step.topk.shape[1]
+    o = ops.decode_attention(q, pos, pool, table, attn.window, attn.attn_sink, comp_pool, comp_table,
+                             attn.ratio if comp_pool is not None else 0, step.topk if attn.ratio else None,
+                             max_keys=max_keys, rope_inv_freq=inv)
+    return attn.wo_b(grouped_out(attn.wo_a, o.view(n, attn.cfg.o_groups, -1), ops))
+
+
+def engram_hash_rows(model: Any, input_ids: torch.Tensor, step: V41DecodeStep) -> torch.Tensor:
+    """Hash rows [R, engram layers, cols] of this step's rows: each row's token goes into
+    the paged token store first, then its look-back is read back (``_engram_rows``)."""
+    meta, cache, hasher = step.meta, step.cache, model.hasher
+    pos = meta.positions.long()
+    table = meta.tables32["swa"]
+    paged_write(cache.tokens, table, pos, input_ids.long())
+    back = pos[:, None] - torch.arange(hasher.max_ngram, device=pos.device)[None, :]  # [R, N]: p, p-1, ...
+    per = cache.tokens.shape[1]
+    blk = table.long().gather(1, back.clamp(min=0) // per)
+    window = torch.where(back >= 0, cache.tokens[blk, back.clamp(min=0) % per], -1)
+    return hasher.hash_window(window, pos)

@@ -1,0 +1,79 @@
+"""The whole DeepSeek-V4.1 model for a decode-like step on the fast path: embedding ->
+layers -> final collapse, norm and head; same math as ``DeepseekV41Model.forward`` +
+``compute_logits`` for rows that continue their requests.
+
+Per layer: (Engram) -> shifted mHC site (the previous sublayer's expansion, this site's
+mixes, the input collapsed with the previous site's ``pre`` and normed: one fused launch
+pair, ``deepinfer_kernels.mhc.hc_shifted``) -> attention (``v41_decode``) -> the ffn
+site -> fused MoE. An Engram layer adds its memory to the expanded streams, so the
+previous expansion runs on its own there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..kv_cache import ForwardBatch, KVCache
+from ..v41_layers import hc_collapse, hc_expand
+from .forward import head_logits
+from .moe import moe_forward
+from .v41_decode import V41DecodeStep, _float_weight, attention_decode_v41, engram_hash_rows
+
+
+def _site(block: torch.nn.Module, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return getattr(block, f"hc_{which}_fn"), getattr(block, f"hc_{which}_base"), getattr(block, f"hc_{which}_scale")
+
+
+def _route_logits(gate: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``Gate41``'s float32 router logits / gate_temp (scores come from them in the router)."""
+    return F.linear(x.float(), _float_weight(gate)) / gate.temp
+
+
+def _first_pre(streams: torch.Tensor) -> torch.Tensor:
+    """The first site collapses stream 0: a one-hot pre [R, N]."""
+    pre = torch.zeros(streams.shape[:2], dtype=torch.float32, device=streams.device)
+    pre[:, 0] = 1.0
+    return pre
+
+
+def decode_hidden_v41(model: Any, batch: ForwardBatch, cache: KVCache,
+                      capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """Collapsed final hidden states [R, hidden] of every row (``batch.decode`` set).
+    ``capture``: for every layer id among its keys, that layer's input streams [R, N, D]."""
+    meta = batch.decode
+    ops, cfg, ids = meta.ops, model.cfg, batch.input_ids
+    step = V41DecodeStep.start(model, meta, cache)
+    iters, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+    streams = model.embed(ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1)
+    pre = _first_pre(streams)
+    hash_rows = engram_hash_rows(model, ids, step) if model.hasher is not None else None
+    prev = None  # (sublayer output, post, comb) whose expansion is still to apply
+    for i, layer in enumerate(model.layers):
+        if (capture is not None and i in capture) or layer.engram_index is not None:
+            if prev is not None:
+                streams, prev = hc_expand(prev[0], streams, prev[1], prev[2]), None
+            if capture is not None and i in capture:
+                capture[i] = streams
+            if layer.engram_index is not None:
+                streams = layer.engram(streams, hash_rows[:, layer.engram_index])
+        new, a_pre, a_post, a_comb, x = ops.hc_shifted(streams, *_site(layer, "attn"), iters, hc_eps, eps, pre,
+                                                       (layer.attn_norm.weight, layer.attn_norm.eps), prev)
+        streams = streams if new is None else new
+        out = attention_decode_v41(layer.attn, x, step)
+        streams, pre, f_post, f_comb, x = ops.hc_shifted(streams, *_site(layer, "ffn"), iters, hc_eps, eps, a_pre,
+                                                         (layer.ffn_norm.weight, layer.ffn_norm.eps),
+                                                         (out, a_post, a_comb))
+        ffn = layer.ffn
+        prev = (moe_forward(ffn, x, ids, ops, logits=_route_logits(ffn.gate, x)), f_post, f_comb)
+    streams = hc_expand(prev[0], streams, prev[1], prev[2])
+    return hc_collapse(streams, pre)
+
+
+def decode_logits_v41(model: Any, batch: ForwardBatch, cache: KVCache,
+                      capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """Float32 logits [R, V] of every row of a decode batch."""
+    hidden = decode_hidden_v41(model, batch, cache, capture)
+    return head_logits(model, batch.decode.ops, model.norm(hidden))
