@@ -64,7 +64,10 @@ class ModelCosts:
         """(attention keys, indexer keys) of one query at context length ctx in a layer."""
         cfg = self.cfg
         keys = min(ctx, cfg.sliding_window)
-        if ratio == cfg.csa_ratio:
+        # V4.1 has no csa_ratio: every compressed layer attends to an indexer top-k (index
+        # keys are counted at every such layer, an upper bound: only index sources score)
+        selects = ratio == cfg.csa_ratio if hasattr(cfg, "csa_ratio") else ratio > 0
+        if ratio and selects:
             return keys + min(cfg.index_topk, ctx // ratio), ctx // ratio
         if ratio:
             return keys + ctx // ratio, 0

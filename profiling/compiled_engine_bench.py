@@ -1,0 +1,144 @@
+"""Issue 23's benchmark: V4 and V4.1 at `mini` widths through `LLM.generate` in one run
+(random bf16 weights, the engine built over a model in memory), decode at batch 1 and 64
+and one 8k prefill each, plus a greedy check of the compiled path against the reference
+path on the same engine. Writes ``compiled_engine_<hardware>_<commit>.json`` with a
+``targets`` list of {name, value, target, met}.
+
+    python3 profiling/compiled_engine_bench.py [--out DIR] [--tiny]   # --tiny: CPU stand-ins
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+from fastpath_bench import PrebuiltLLM, build, commit, decode_speed, prefill_speed, release, sync  # noqa: E402
+from fastpath_check import token_ids  # noqa: E402
+from fastpath_roofline import ModelCosts  # noqa: E402
+from v41_bounded_replay import mini_v41_config  # noqa: E402
+
+from deepinfer import SamplingParams  # noqa: E402
+from deepinfer.models.tiny import mini_config, tiny_config, tiny_v41_config  # noqa: E402
+
+
+def sizes(tiny: bool) -> dict:
+    if tiny:
+        small = dict(vocab_size=512, sliding_window=32)
+        return {"v4_mini": lambda: tiny_config(index_topk=4, **small),
+                "v41_mini": lambda: tiny_v41_config(index_topk=8, candidate_topk_blocks=4, **small)}
+    return {"v4_mini": mini_config, "v41_mini": mini_v41_config}
+
+
+def greedy_check(llm, n_prompts: int, new: int) -> dict:
+    """Greedy tokens of the compiled path against the reference path of the same engine
+    (fast path switched off), on prompts of a few lengths: the fraction of matching tokens
+    before the first divergence (bf16 random weights: an early flip is numerics)."""
+    vocab = llm.model_config.vocab_size
+    prompts = [token_ids(77 + i, n, vocab) for i, n in enumerate((5, 60, 140, 300)[:n_prompts])]
+    sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    fast = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)]
+    steps = dict(llm.runner.fast.stats)
+    saved, llm.runner.fast = llm.runner.fast, None
+    try:
+        ref = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)]
+    finally:
+        llm.runner.fast = saved
+    agree = [next((i for i, (a, b) in enumerate(zip(f, r)) if a != b), len(f)) for f, r in zip(fast, ref)]
+    return {"prompt_lens": [len(p) for p in prompts], "tokens": new, "agree_prefix": agree,
+            "exact": all(a == new for a in agree), "fast_steps_during_check": steps["fast_steps"]}
+
+
+def run_size(name: str, make_cfg, args) -> dict:
+    cfg = make_cfg()
+    device = "cpu" if args.tiny else "cuda"
+    res: dict = {"config": cfg.to_official_json()}
+    t = time.time()
+    model = build(cfg, device)
+    costs = ModelCosts.of(model)
+    cfg_dir = tempfile.mkdtemp(prefix=f"{name}_cfg_")
+    with open(os.path.join(cfg_dir, "config.json"), "w") as f:
+        json.dump(cfg.to_official_json(), f)
+    extra = {"swa_replay_mode": "compact"} if name.startswith("v41") else {}
+    llm = PrebuiltLLM(model, cfg_dir, dtype="bfloat16", max_model_len=args.prefill + 64, max_num_seqs=64,
+                      max_num_batched_tokens=max(args.prefill, 2048), enable_prefix_caching=False, **extra)
+    res["engine_init_s"] = round(time.time() - t, 1)
+    res["graphs_warmed"] = llm.graphs_warmed
+    res["fast_path"] = {"decode": llm.runner.fast is not None, "prefill": llm.runner.fast_prefill is not None}
+    llm._fast_paths = (llm.runner.fast, llm.runner.fast_prefill)
+    if llm.runner.fast is not None:
+        res["check"] = greedy_check(llm, 4 if not args.tiny else 2, args.check_tokens)
+    res["decode"] = [decode_speed(llm, costs, b, args.new_tokens) for b in args.batches]
+    res["decode_fast_stats"] = dict(llm.runner.fast.stats) if llm.runner.fast is not None else None
+    res["prefill"] = [prefill_speed(llm, costs, args.prefill)]
+    release(llm)
+    del llm, model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return res
+
+
+def targets(out: dict) -> list[dict]:
+    v4, v41 = out["v4_mini"], out["v41_mini"]
+    rows = []
+
+    def add(name: str, value: float, target: float) -> None:
+        rows.append({"name": name, "value": round(value, 3), "target": target, "met": value >= target})
+
+    for i, b in enumerate(out["args"]["batches"]):
+        add(f"v41 decode b{b} / v4 decode b{b}", v41["decode"][i]["tok_s"] / v4["decode"][i]["tok_s"], 0.8)
+    add("v41 8k prefill (compact) / v4 8k prefill", v41["prefill"][0]["tok_s"] / v4["prefill"][0]["tok_s"], 1.0)
+    for i, b in enumerate(out["args"]["batches"]):
+        floor = {1: 950, 64: 40_000}.get(b)
+        if floor:
+            add(f"v4 mini decode b{b} tok/s", v4["decode"][i]["tok_s"], floor)
+    add("v4 mini 8k prefill tok/s", v4["prefill"][0]["tok_s"], 160_000)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--tiny", action="store_true", help="CPU stand-ins (tests of this script)")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--check-tokens", type=int, default=24)
+    ap.add_argument("--prefill", type=int, default=8192)
+    args = ap.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    hw = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.tiny else "cpu"
+    out: dict = {"commit": os.environ.get("DEEPINFER_COMMIT") or commit(), "hardware": hw,
+                 "torch": torch.__version__, "args": vars(args) | {"out": None}}
+    for name, make in sizes(args.tiny).items():
+        out[name] = run_size(name, make, args)
+        sync()
+    out["targets"] = targets(out)
+    os.makedirs(args.out, exist_ok=True)
+    tag = "h200" if "H200" in hw else ("cpu" if hw == "cpu" else hw.replace(" ", "_").lower())
+    path = os.path.join(args.out, f"compiled_engine_{tag}_{out['commit'][:7]}.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"{'size':10} {'b':>4} {'tok/s':>10} {'step ms':>8}")
+    for name in sizes(args.tiny):
+        for d in out[name]["decode"]:
+            print(f"{name:10} {d['batch']:>4} {d['tok_s']:>10} {d['step_ms']:>8}")
+        p = out[name]["prefill"][0]
+        print(f"{name:10} {'8k':>4} {p['tok_s']:>10} prefill ({p['path']})  check {out[name].get('check')}")
+    for t in out["targets"]:
+        print(f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {t['value']} (target {t['target']})")
+    print(path)
+    return out
+
+
+if __name__ == "__main__":
+    main()
