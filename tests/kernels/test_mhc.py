@@ -229,3 +229,32 @@ def test_hc_rejects_unsupported_streams() -> None:
     fn = torch.zeros(15, 24, device=DEVICE)
     with pytest.raises(ValueError, match="hc_mult=3"):
         hc_pre(x, fn, torch.zeros(15, device=DEVICE), torch.ones(3, device=DEVICE), 2, 1e-6, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows_max_t", [0, 64])  # the dot / the row mix kernel
+@pytest.mark.parametrize("with_post", [False, True])
+def test_hc_shifted(fresh_seed: int, dtype: torch.dtype, rows_max_t: int, with_post: bool) -> None:
+    """V4.1's shifted site: this site's pre / post / comb from the (expanded) streams, the
+    input collapsed with the previous site's pre, the expansion in float32 (one rounding)."""
+    from deepinfer_kernels.mhc import hc_shifted, hc_shifted_ref
+
+    g = gen(fresh_seed)
+    t, d = 5, 128
+    streams = _streams(g, t, d, dtype)
+    prev = None
+    if with_post:
+        post, comb, _ = hc_pre_ref(streams, *_params(g, d), ITERS, HC_EPS, EPS)
+        prev = (torch.randn(t, d, generator=g).to(dtype).to(DEVICE), post, comb)
+    pre_in = (torch.rand(t, N, generator=g) + 0.1).to(DEVICE)
+    fn, base, scale = _params(g, d)
+    norm = _norm(g, d)
+    with tuned(rows_max_t=rows_max_t):
+        got = hc_shifted(streams, fn, base, scale, ITERS, HC_EPS, EPS, pre_in, norm, prev)
+    ref = hc_shifted_ref(streams, fn, base, scale, ITERS, HC_EPS, EPS, pre_in, norm, prev)
+    assert (got[0] is None) == (ref[0] is None) == (not with_post)
+    if with_post:
+        assert got[0].dtype == dtype
+        assert_close(got[0], ref[0], dtype)
+    for a, b, dt in zip(got[1:], ref[1:], (torch.float32, torch.float32, torch.float32, dtype)):
+        assert_close(a, b, dt)
