@@ -27,8 +27,7 @@ from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer.errors import InvalidRequestError
 from deepinfer.metrics import MetricsCollector
 from deepinfer.models.bounded_replay import ReplayConfig
-from deepinfer.models.kv_cache import group_names, new_kv_cache
-from deepinfer.models.kv_cache_v41 import WINDOW_GROUPS
+from deepinfer.models.registry import family_of
 from deepinfer.models.loader import load_model, materialize_dense_weights
 from deepinfer.models.default_model import resolve_model
 from deepinfer.outputs import RequestMetrics, RequestOutput
@@ -104,9 +103,10 @@ class LLM:
                                 if cfg.num_kv_blocks is None else None)
         blocks = num_kv_blocks(cfg, mcfg, self.model.dtype, self.device, cfg.max_model_len,
                                step_peak_bytes=self.step_peak_bytes)
-        self.kv_cache = new_kv_cache(mcfg, blocks, cfg.block_size, cfg.max_num_seqs, self.model.dtype, self.device)
-        groups = [KVCacheGroupSpec(g, mcfg.sliding_window if g in WINDOW_GROUPS else None)
-                  for g in group_names(mcfg)]
+        family = family_of(mcfg)
+        self.kv_cache = family.new_kv_cache(mcfg, blocks, cfg.block_size, cfg.max_num_seqs, self.model.dtype,
+                                            self.device)
+        groups = [KVCacheGroupSpec(g, window) for g, window in family.kv_group_windows(mcfg)]
         replay = self.replay if self.replay.active else None
         self.kv_manager = HybridKVCacheManager(groups, blocks, cfg.block_size, cfg.max_num_seqs,
                                                cfg.enable_prefix_caching,

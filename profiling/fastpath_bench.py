@@ -76,7 +76,7 @@ class PrebuiltLLM(LLM):
 
 
 def build(cfg, device: str, seed: int = 0) -> torch.nn.Module:
-    from deepinfer.models.deepseek_v41 import build_model
+    from deepinfer.models.registry import build_model
 
     with torch.device("meta"):
         model = build_model(cfg, torch.bfloat16)

@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--kind", default=None, help="triton | ref (default: triton on CUDA, ref on CPU)")
     args = parser.parse_args()
-    from deepinfer.models.deepseek_v41 import build_model
+    from deepinfer.models.registry import build_model
     from deepinfer.models.tiny import init_random, mini_config, tiny_config
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"

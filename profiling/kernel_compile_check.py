@@ -83,17 +83,16 @@ def record_decode_step(size: str, batch: int) -> Recorder:
     """One decode step of a random `size` model on the meta device, launches recorded."""
     from deepinfer.models.tiny import flash4_config
 
-    from deepinfer.models.deepseek_v41 import build_model
     from deepinfer.models.fast.decode import kernel_ops
     from deepinfer.models.fast.runner import FastPath
-    from deepinfer.models.kv_cache import ForwardBatch, SeqMeta, group_names
-    from deepinfer.models.kv_cache import new_kv_cache
+    from deepinfer.models.kv_cache import ForwardBatch, SeqMeta
+    from deepinfer.models.registry import build_model, family_of, new_kv_cache
     from deepinfer.models.tiny import mini_config
 
     cfg = mini_config() if size == "mini" else flash4_config()
     with torch.device("meta"):
         model = build_model(cfg, torch.bfloat16).eval()
-    groups = group_names(cfg)
+    groups = family_of(cfg).kv_group_names(cfg)
     width, bs = 4, 128
     cache = new_kv_cache(cfg, {g: batch * width for g in groups}, bs, batch, torch.bfloat16, "meta")
     fast = FastPath(model, cache, kernel_ops("triton"), graphs=False)

@@ -54,8 +54,8 @@ HOST_ENV = {"DEEPINFER_FAST_PREFILL": "ref", "DEEPINFER_FP8_GEMM": "ref"}
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.models.checkpoint_layout import storage_format  # noqa: E402
-from deepinfer.models.config_v41 import read_model_config  # noqa: E402
 from deepinfer.models.loader import iter_tensors, weight_bytes  # noqa: E402
+from deepinfer.models.registry import read_model_config  # noqa: E402
 from deepinfer.models.quant import quantize_fp4, quantize_fp8_block  # noqa: E402
 from deepinfer.models.tiny import mini_config, tiny_config, write_tiny_checkpoint  # noqa: E402
 

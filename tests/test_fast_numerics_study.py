@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from fastpath_layers import teacher_forced, verdict  # noqa: E402
 
-from deepinfer.models.deepseek_v41 import build_model  # noqa: E402
+from deepinfer.models.registry import build_model  # noqa: E402
 from deepinfer.models.tiny import init_random, tiny_config  # noqa: E402
 
 

@@ -16,7 +16,7 @@ GIB = 1 << 30
 
 @pytest.mark.parametrize("fast_prefill", ["0", "ref"])
 def test_worst_case_step_runs_on_the_engines_prefill_path(monkeypatch, fast_prefill: str) -> None:
-    from deepinfer.models.deepseek_v41 import build_model
+    from deepinfer.models.registry import build_model
 
     monkeypatch.setenv("DEEPINFER_FAST_PREFILL", fast_prefill)
     model = build_model(tiny_config(vocab_size=512, sliding_window=32, index_topk=4), torch.float32)

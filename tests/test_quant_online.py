@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.models.deepseek_v41 import build_model
+from deepinfer.models.registry import build_model
 from deepinfer.models.linear import Linear
 from deepinfer.models.quant_online import quantize_linears
 from deepinfer.models.standalone import StandaloneRunner

@@ -91,7 +91,7 @@ def test_v41_greedy_speculation_equals_no_speculation(checkpoint, prompts, refer
     llm = make(checkpoint, mode, num_speculative_tokens=k, enable_mtp_varlen=varlen, **extra)
     if varlen:  # free verify rows: the scheduler admits the (partly known, so accepted) drafts
         llm.runner.spec.curve = StepTimeCurve([1, 1024], [0.01, 0.01])
-    assert isinstance(llm.runner.spec.drafter, DSparkDrafter) and llm.runner.spec.drafter.v41
+    assert isinstance(llm.runner.spec.drafter, DSparkDrafter) and llm.runner.spec.drafter.family.name == "deepseek_v41"
     known_prefix_drafts(llm, {tuple(p): r for p, r in zip(prompts, ref)})
     for _ in range(2):  # the second pass starts from prefix-cache hits (capped at the cut with replay on)
         assert generate(llm, prompts) == ref

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from deepinfer.models.config import ModelConfigError
-from deepinfer.models.config_v41 import DeepseekV41Config, read_model_config
+from deepinfer.models.config_v41 import DeepseekV41Config
+from deepinfer.models.registry import read_model_config
 from deepinfer.models.deepseek_v41 import DeepseekV41Model
 from deepinfer.models.engram import NgramHasher, engram_primes, engram_table_rows, is_prime
 from deepinfer.models.kv_quant import fp4_block_sim, fp8_block_sim

@@ -7,8 +7,8 @@ import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.errors import ConfigError
-from deepinfer.models.config import DeepseekV4Config
-from deepinfer.models.kv_cache import block_bytes, group_names, slot_bytes
+from deepinfer.models.config_common import DeepseekConfigBase
+from deepinfer.models.registry import family_of
 from deepinfer.platform import platform_for_device
 
 
@@ -34,17 +34,18 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device, weights_bytes: i
     return int(config.kv_cache_memory_bytes)
 
 
-def num_kv_blocks(config: EngineConfig, model_cfg: DeepseekV4Config, dtype: torch.dtype, device: torch.device,
+def num_kv_blocks(config: EngineConfig, model_cfg: DeepseekConfigBase, dtype: torch.dtype, device: torch.device,
                   max_model_len: int, weights_bytes: int = 0, step_peak_bytes: int | None = None) -> dict[str, int]:
     """Blocks per group (every group gets the same count: each logical token block of a
     request takes one block in every group it is held in). ``step_peak_bytes``: the
     profiled activation peak of a worst-case step (device budgets only)."""
-    groups = group_names(model_cfg)
+    family = family_of(model_cfg)
+    groups = family.kv_group_names(model_cfg)
     if config.num_kv_blocks is not None:
         return {g: config.num_kv_blocks for g in groups}
-    per_block = sum(block_bytes(model_cfg, config.block_size, dtype).values())
+    per_block = sum(family.kv_block_bytes(model_cfg, config.block_size, dtype).values())
     budget = (kv_budget_bytes(config, device, weights_bytes, step_peak_bytes)
-              - config.max_num_seqs * slot_bytes(model_cfg, dtype))
+              - config.max_num_seqs * family.kv_slot_bytes(model_cfg, dtype))
     blocks = budget // per_block
     needed = config.max_num_seqs * (-(-max_model_len // config.block_size))
     blocks = min(blocks, needed)

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from deepinfer.config import EngineConfig
-from deepinfer.models.kv_cache import ForwardBatch, SeqMeta, group_names, new_kv_cache
+from deepinfer.models.kv_cache import ForwardBatch, SeqMeta
+from deepinfer.models.registry import family_of
 
 #: Kept free for the decode CUDA graphs' memory pool (captured after the cache exists) and
 #: allocator fragmentation. Not measured: a margin over the largest graph's logits
@@ -53,8 +54,10 @@ def worst_case_step(model: torch.nn.Module, config: EngineConfig, device: torch.
     tokens = max(1, min(config.max_num_batched_tokens, config.max_model_len))
     bs = config.block_size
     blocks = -(-tokens // bs) + 1
-    cache = new_kv_cache(mcfg, {g: blocks for g in group_names(mcfg)}, bs, 1, model.dtype, device)
-    table = {g: list(range(blocks)) for g in group_names(mcfg)}
+    family = family_of(mcfg)
+    groups = family.kv_group_names(mcfg)
+    cache = family.new_kv_cache(mcfg, {g: blocks for g in groups}, bs, 1, model.dtype, device)
+    table = {g: list(range(blocks)) for g in groups}
     seqs = [SeqMeta(0, tokens, 0, table, 0, is_new=True, prompt_len=tokens)]
     ids = torch.randint(0, mcfg.vocab_size, (tokens,), device=device)
     batch = ForwardBatch(ids, torch.arange(tokens, device=device), seqs)

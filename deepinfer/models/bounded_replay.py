@@ -35,6 +35,7 @@ import torch
 
 from deepinfer import envs
 from deepinfer.errors import ConfigError
+from deepinfer.models.registry import family_of
 
 MODES = ("off", "mask", "compact")
 #: Positions a request can be rolled back by speculative verification (DSpark block 5 + 1).
@@ -80,7 +81,7 @@ class ReplayConfig:
         window plus the speculative backtracking."""
         if not self.active:
             return
-        if not getattr(cfg, "is_v41", False) or getattr(cfg, "replay_start_layer", None) is None:
+        if family_of(cfg).replay_start_layer(cfg) is None:
             raise ConfigError(f"swa_replay_mode={self.mode!r} needs a model with V4.1 decoder layers (a KV-source "
                               f"schedule); this checkpoint is {getattr(cfg, 'model_type', '?')!r}. Use "
                               f"swa_replay_mode='off' (env {ENV_MODE}=off)", field="swa_replay_mode")

@@ -166,11 +166,3 @@ class DeepseekV41Model(nn.Module):
         """Collapsed hidden rows [R, D] -> float32 logits [R, V]."""
         return self.head(self.norm(hidden)).float()
 
-
-def build_model(cfg, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The model class the config asks for (V4 or V4.1)."""
-    if getattr(cfg, "is_v41", False):
-        return DeepseekV41Model(cfg, dtype)
-    from .deepseek_v4 import DeepseekV4Model
-
-    return DeepseekV4Model(cfg, dtype)

@@ -23,7 +23,7 @@ from torch import nn
 from .block import Block
 from .config import DeepseekV4Config
 from .linear import Linear
-from .mhc import hc_post, hc_pre
+from .mhc import hc_head, hc_post, hc_pre
 from .norm import RMSNorm, unweighted_rms_norm
 from .rope import Rotary, apply_rope
 
@@ -114,6 +114,18 @@ class DSparkStage(Block):
         out = block_attention(q, kv, pos, block, ctx_kv, ctx_pos, attn.window, attn.attn_sink)
         out = apply_rope(out, cos, -sin)
         return attn.wo_b(attn.wo_a(out.reshape(out.shape[0], cfg.o_groups, -1)))
+
+
+def draft_pass(stages: list, streams: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, block: int,
+               ctx_kvs: list[torch.Tensor], ctx_pos: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    """Every stage's `block_forward` over R draft blocks (stage s attends to ``ctx_kvs[s]``),
+    then the last stage's hyper-connection head: streams [R * block, N, D] -> hidden
+    [R * block, D] before the output norm. The V4 family's ``dspark_draft_pass``."""
+    for stage, ctx_kv in zip(stages, ctx_kvs):
+        streams = stage.block_forward(streams, ids, positions, block, ctx_kv, ctx_pos, rotary)
+    last = stages[-1]
+    return hc_head(streams, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, last.cfg.hc_eps,
+                   last.cfg.rms_norm_eps)
 
 
 #: Position of a padded context row: never within any query's window.

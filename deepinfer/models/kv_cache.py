@@ -50,11 +50,13 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
 
-def group_names(cfg: DeepseekV4Config) -> list[str]:
-    """KV groups this config needs (a group with no layers is omitted)."""
-    if getattr(cfg, "is_v41", False):
-        from .kv_cache_v41 import group_names_v41
-        return group_names_v41(cfg)
+#: V4's groups whose blocks hold sliding-window rows (freed as they fall out of the window).
+WINDOW_GROUPS_V4 = (GROUP_SWA,)
+
+
+def group_names_v4(cfg: DeepseekV4Config) -> list[str]:
+    """KV groups a V4 config needs (a group with no layers is omitted). Engine code asks the
+    model family (models/registry.py: ``family_of(cfg).kv_group_names``)."""
     names = [GROUP_SWA]
     if cfg.csa_layers:
         names.append(GROUP_CSA)
@@ -63,17 +65,15 @@ def group_names(cfg: DeepseekV4Config) -> list[str]:
     return names
 
 
-def check_block_size(cfg: DeepseekV4Config, block_size: int) -> None:
+def check_block_size(cfg, block_size: int) -> None:
+    """Every family: a block holds whole compressed entries of every compressed layer."""
     for ratio in {r for r in cfg.compress_ratios if r}:
         if block_size % ratio:
             raise ValueError(f"block_size={block_size} must be a multiple of every compress ratio (got ratio {ratio})")
 
 
-def block_bytes(cfg: DeepseekV4Config, block_size: int, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes one physical block of each group takes, summed over its layers."""
-    if getattr(cfg, "is_v41", False):
-        from .kv_cache_v41 import block_bytes_v41
-        return block_bytes_v41(cfg, block_size, dtype)
+def block_bytes_v4(cfg: DeepseekV4Config, block_size: int, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes one physical block of each V4 group takes, summed over its layers."""
     elt = torch.empty((), dtype=dtype).element_size()
     n_swa = cfg.num_hidden_layers + len(cfg.mtp_compress_ratios)
     out = {GROUP_SWA: n_swa * block_size * cfg.head_dim * elt}
@@ -87,11 +87,8 @@ def block_bytes(cfg: DeepseekV4Config, block_size: int, dtype: torch.dtype) -> d
     return out
 
 
-def slot_bytes(cfg: DeepseekV4Config, dtype: torch.dtype) -> int:
-    """Bytes of one request's compressor state slot (kept in float32)."""
-    if getattr(cfg, "is_v41", False):
-        from .kv_cache_v41 import slot_bytes_v41
-        return slot_bytes_v41(cfg, dtype)
+def slot_bytes_v4(cfg: DeepseekV4Config, dtype: torch.dtype) -> int:
+    """Bytes of one request's V4 compressor state slot (kept in float32)."""
     elt = 4
     csa = 2 * cfg.csa_ratio * 2 * 2 * (cfg.head_dim + cfg.index_head_dim)
     hca = cfg.hca_ratio * 2 * cfg.head_dim
@@ -135,6 +132,10 @@ class KVCache:
             self.hca_kv[i] = z(num_blocks[GROUP_HCA], block_size // cfg.hca_ratio, d)
             self.ring[i] = z(num_slots, cfg.hca_ratio, 2, d, dtype=torch.float32)
 
+    def compressor_rings(self) -> tuple[dict[int, torch.Tensor], ...]:
+        """The per-request ring dicts of every compressor (main and indexer), by layer."""
+        return self.ring, self.index_ring
+
     def nbytes(self) -> int:
         tensors = [*self.swa.values(), *self.csa_kv.values(), *self.csa_index.values(), *self.csa_tail.values(),
                    *self.csa_index_tail.values(), *self.ring.values(), *self.index_ring.values(),
@@ -160,16 +161,6 @@ def gather_rows(pool: torch.Tensor, table: list[int], start: int, end: int) -> t
     """Rows [start, end) of one request's paged sequence: pool is [blocks, per_block, ...]."""
     slots = torch.from_numpy(paged_slots(table, start, end - start, pool.shape[1]))
     return pool.view(-1, *pool.shape[2:])[slots]
-
-
-def new_kv_cache(cfg, num_blocks: dict[str, int], block_size: int, num_slots: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
-    """The KV cache class the config needs (V4 or V4.1); beside group_names / block_bytes /
-    slot_bytes, which also choose by family (kv_cache_v41 never imports this module)."""
-    if getattr(cfg, "is_v41", False):
-        from .kv_cache_v41 import KVCacheV41
-        return KVCacheV41(cfg, num_blocks, block_size, num_slots, dtype, device)
-    return KVCache(cfg, num_blocks, block_size, num_slots, dtype, device)
 
 
 def scatter_rows(pool: torch.Tensor, table: list[int], start: int, rows: torch.Tensor) -> None:

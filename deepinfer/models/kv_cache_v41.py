@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .config_v41 import DeepseekV41Config
+from .kv_cache import check_block_size
 
 GROUP_SWA, GROUP_DEC, GROUP_SRC = "swa", "dec", "src"
 WINDOW_GROUPS = (GROUP_SWA, GROUP_DEC)
@@ -42,12 +43,6 @@ def window_layers(cfg: DeepseekV41Config) -> tuple[list[int], list[int]]:
     dec = cfg.decoder_layers
     swa = [i for i in range(n) if i not in dec] + [n + k for k in range(len(cfg.mtp_compress_ratios))]
     return swa, dec
-
-
-def check_block_size_v41(cfg: DeepseekV41Config, block_size: int) -> None:
-    for ratio in {r for r in cfg.compress_ratios if r}:
-        if block_size % ratio:
-            raise ValueError(f"block_size={block_size} must be a multiple of every compress ratio (got ratio {ratio})")
 
 
 def block_bytes_v41(cfg: DeepseekV41Config, block_size: int, dtype: torch.dtype) -> dict[str, int]:
@@ -75,7 +70,7 @@ class KVCacheV41:
 
     def __init__(self, cfg: DeepseekV41Config, num_blocks: dict[str, int], block_size: int, num_slots: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        check_block_size_v41(cfg, block_size)
+        check_block_size(cfg, block_size)
         self.cfg, self.block_size, self.num_slots, self.dtype = cfg, block_size, num_slots, dtype
         self.num_blocks = dict(num_blocks)
         d, di = cfg.head_dim, cfg.index_head_dim
@@ -102,6 +97,10 @@ class KVCacheV41:
         if layer in self.dec:
             return self.dec[layer], GROUP_DEC
         return self.swa[layer], GROUP_SWA
+
+    def compressor_rings(self) -> tuple[dict[int, torch.Tensor], ...]:
+        """The per-request ring dicts of every compressor (the ratio > 1 KV sources), by layer."""
+        return (self.ring,)
 
     def nbytes(self) -> int:
         tensors = [*self.swa.values(), *self.dec.values(), *self.src_kv.values(), *self.src_index.values(),

@@ -23,11 +23,10 @@ from tqdm.auto import tqdm
 
 from .checkpoint_layout import official_name
 from .config import DeepseekV4Config
-from .config_v41 import read_model_config
 from .deepseek_v4 import DeepseekV4Model
-from .deepseek_v41 import build_model
 from .linear import Linear, QuantizedWeight
 from .quant import infer_block_size
+from .registry import build_model, read_model_config
 
 
 

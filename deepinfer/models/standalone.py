@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from .deepseek_v4 import DeepseekV4Model
-from .kv_cache import ForwardBatch, SeqMeta, group_names, new_kv_cache
+from .kv_cache import ForwardBatch, SeqMeta
+from .registry import family_of
 
 
 class StandaloneRunner:
@@ -21,10 +22,11 @@ class StandaloneRunner:
         self.model, self.block_size = model, block_size
         self.replay = replay  # V4.1 bounded replay (bounded_replay.ReplayConfig); None = off
         self.blocks_per_seq = -(-max_len // block_size)
-        groups = group_names(model.cfg)
+        family = family_of(model.cfg)
+        groups = family.kv_group_names(model.cfg)
         device = next(model.parameters()).device
-        self.cache = new_kv_cache(model.cfg, {g: max_seqs * self.blocks_per_seq for g in groups}, block_size,
-                                  max_seqs, model.dtype, device)
+        self.cache = family.new_kv_cache(model.cfg, {g: max_seqs * self.blocks_per_seq for g in groups},
+                                         block_size, max_seqs, model.dtype, device)
         self.groups, self.max_seqs, self.max_len = groups, max_seqs, max_len
         self.lengths: dict[int, int] = {}
 

@@ -28,6 +28,7 @@ from .config import DeepseekV4Config
 from .config_v41 import DeepseekV41Config
 from .deepseek_v4 import DeepseekV4Model
 from .quant import quantize_fp4, quantize_fp8_block
+from .registry import build_model, family_of
 
 TINY_NAME = "deepinfer-tiny-random"  # the trained default is `deepinfer-tiny` (models/default_model.py)
 
@@ -176,8 +177,7 @@ def save_checkpoint(model: DeepseekV4Model, path: str, quantize: bool = False, m
     """Write config.json + sharded safetensors + index in the official layout."""
     cfg = model.cfg
     if quantize and cfg.fp8_block is None:
-        block = (32, 32) if getattr(cfg, "is_v41", False) else (128, 128)  # V4.1 ships 32x32 FP8 blocks
-        cfg = replace(cfg, fp8_block=block, expert_dtype="fp4")
+        cfg = replace(cfg, fp8_block=family_of(cfg).default_fp8_block, expert_dtype="fp4")  # V4.1: 32x32
     os.makedirs(path, exist_ok=True)
     tensors = official_state_dict(model, quantize, cfg)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -219,8 +219,6 @@ def write_tiny_checkpoint(path: str, seed: int = 0, quantize: bool = False, cfg:
                           dtype: torch.dtype = torch.float32) -> str:
     """Build a random model for `cfg` (default: deepinfer-tiny), seed it and save it."""
     cfg = cfg or tiny_config()
-    from .deepseek_v41 import build_model
-
     model = build_model(cfg, dtype)
     init_random(model, seed)
     return save_checkpoint(model, path, quantize=quantize)

@@ -78,3 +78,16 @@ class DSparkStage41(Block41):
                               attn.attn_sink)
         out = apply_rope(out, cos, -sin)
         return attn.wo_b(attn.wo_a(out.reshape(out.shape[0], cfg.o_groups, -1)))
+
+
+def draft_pass(stages: list, streams: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, block: int,
+               ctx_kvs: list[torch.Tensor], ctx_pos: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    """The stages over R draft blocks with shifted hyper-connections: the first site
+    collapses stream 0 (one-hot pre), each stage's ffn-site pre feeds the next stage, the
+    last pre collapses the output streams (no hc_head). streams [R * block, N, D] -> hidden
+    [R * block, D] before the output norm. The V4.1 family's ``dspark_draft_pass``."""
+    pre = streams.new_zeros(streams.shape[:2], dtype=torch.float32)
+    pre[:, 0] = 1.0
+    for stage, ctx_kv in zip(stages, ctx_kvs):
+        streams, pre = stage.block_forward(streams, pre, ids, positions, block, ctx_kv, ctx_pos, rotary)
+    return hc_collapse(streams, pre)

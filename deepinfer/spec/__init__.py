@@ -5,6 +5,7 @@ scheduled verify lengths, metrics. `setup(llm)` wires it into an engine when
 from __future__ import annotations
 
 from deepinfer.errors import ConfigError
+from deepinfer.models.registry import family_of
 
 from .drafter import Draft, DraftContext, Drafter, OracleDrafter, RandomDrafter
 from .metrics import SpecMetrics
@@ -34,9 +35,10 @@ def make_drafter(model, cache, k: int):
     are DSpark stages, without the e_proj / h_proj an MTP stage needs)."""
     cfg = model.cfg
     require_draft_stages(model, k)
-    if getattr(cfg, "is_v41", False) and not cfg.has_dspark:
-        raise ValueError("num_speculative_tokens > 0 on a DeepSeek-V4.1 checkpoint needs its DSpark drafter "
-                         "(dspark_block_size > 0); V4.1 has no plain MTP stage")
+    family = family_of(cfg)
+    if not family.plain_mtp_stages and not cfg.has_dspark:
+        raise ValueError(f"num_speculative_tokens > 0 on a {family.display_name} checkpoint needs its DSpark drafter "
+                         f"(dspark_block_size > 0); {family.display_name} has no plain MTP stage")
     if cfg.has_dspark:
         from .dspark_drafter import DSparkDrafter
         return DSparkDrafter(model, cache, k)

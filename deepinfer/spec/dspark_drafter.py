@@ -41,8 +41,7 @@ from deepinfer import batch_invariant
 from deepinfer.models.dspark import NO_POSITION
 from deepinfer.models.fast.forward import blocks_supported, head_hidden, run_block
 from deepinfer.models.kv_cache import GROUP_SWA, KVCache, paged_slots
-from deepinfer.models.mhc import hc_head
-from deepinfer.models.v41_layers import hc_collapse
+from deepinfer.models.registry import family_of
 
 from .drafter import Draft, DraftContext, Drafter
 from .verify import sample_draft
@@ -66,7 +65,7 @@ class DSparkDrafter(Drafter):
             raise NotImplementedError(f"DSpark target layers {bad} are not main-model layers; only "
                                       f"layers < num_hidden_layers={cfg.num_hidden_layers} can be captured")
         self.model, self.cache, self.k = model, cache, k
-        self.cfg, self.v41 = cfg, bool(getattr(cfg, "is_v41", False))
+        self.cfg, self.family = cfg, family_of(cfg)  # the family runs its stages' reference pass
         self.stages = list(model.mtp)
         self.target_layers = tuple(int(i) for i in cfg.dspark_target_layer_ids)
         self.sampler = Sampler()
@@ -133,32 +132,19 @@ class DSparkDrafter(Drafter):
         if self._fast():
             return self._draft_logits_fast(ids, pos, slots_t, ctx_pos_t, R)
         streams = self.model.embed(ids).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
-        pre = None
-        if self.v41:  # shifted hyper-connections: the first site collapses stream 0
-            pre = streams.new_zeros(streams.shape[:2], dtype=torch.float32)
-            pre[:, 0] = 1.0
-        for s, stage in enumerate(self.stages):
-            pool = self.cache.swa[self._cache_id(s)]
-            ctx_kv = pool.view(-1, *pool.shape[2:])[slots_t]  # [R, W - 1, head_dim]
-            if self.v41:
-                streams, pre = stage.block_forward(streams, pre, ids, pos, G, ctx_kv, ctx_pos_t, rotary)
-            else:
-                streams = stage.block_forward(streams, ids, pos, G, ctx_kv, ctx_pos_t, rotary)
+        pools = [self.cache.swa[self._cache_id(s)] for s in range(len(self.stages))]
+        ctx_kvs = [pool.view(-1, *pool.shape[2:])[slots_t] for pool in pools]  # each [R, W - 1, head_dim]
+        x = self.family.dspark_draft_pass(self.stages, streams, ids, pos, G, ctx_kvs, ctx_pos_t, rotary)
         last = self.stages[-1]
-        if self.v41:
-            x = hc_collapse(streams, pre)
-        else:
-            x = hc_head(streams, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, cfg.hc_eps,
-                        cfg.rms_norm_eps)
         h = last.norm(x)
         logits = self.model.head(h).float()
         return logits.view(R, G, -1), h.view(R, G, -1)
 
     def _fast(self) -> bool:
         """The stages run on the GPU fast path's fused kernels (mHC, MoE) when the runner
-        has one; V4.1 stages (shifted hyper-connections) and batch-invariant mode keep the
-        reference modules."""
-        return (self.fast_ops is not None and not self.v41 and not batch_invariant.enabled()
+        has one and the family's stages fit them (V4.1's shifted hyper-connections do not);
+        batch-invariant mode keeps the reference modules."""
+        return (self.fast_ops is not None and self.family.dspark_fused_stages and not batch_invariant.enabled()
                 and blocks_supported(self.stages))
 
     def _draft_logits_fast(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ctx_pos: torch.Tensor,

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.models.kv_cache_v41 import KVCacheV41
-
 
 def widen_compressor_rings(cache, max_draft: int) -> None:
-    """Reallocate every compressor ring of a V4 `KVCache` (main and indexer) or of a V4.1
-    `KVCacheV41` (the ratio > 1 KV sources: the same rule with base = ratio) with
-    ``max_draft + 1`` extra rows."""
+    """Reallocate every compressor ring of the cache (``cache.compressor_rings()``: a V4
+    `KVCache`'s main and indexer rings, a V4.1 `KVCacheV41`'s ratio > 1 KV sources, the same
+    rule with base = ratio) with ``max_draft + 1`` extra rows."""
     if max_draft <= 0:
         return
-    for rings in (cache.ring,) if isinstance(cache, KVCacheV41) else (cache.ring, cache.index_ring):
+    for rings in cache.compressor_rings():
         for i, t in list(rings.items()):
             shape = list(t.shape)
             shape[1] += max_draft + 1

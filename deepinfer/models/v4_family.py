@@ -1,0 +1,32 @@
+"""The DeepSeek-V4 family (`model_type: deepseek_v4`): what the registry hands the engine
+for a V4 checkpoint. Config: config.py; model: deepseek_v4.py (+ dspark.py for the
+DSpark stages); KV cache: kv_cache.py (swa / csa / hca groups); compiled executors: the
+GPU fast path in models/fast/ (decode steps: FastPath, prefill / mixed: PrefillPath)."""
+
+from __future__ import annotations
+
+from .compiled import decode_executor, prefill_executor
+from .config import DeepseekV4Config
+from .deepseek_v4 import DeepseekV4Model
+from .dspark import draft_pass
+from .kv_cache import WINDOW_GROUPS_V4, KVCache, block_bytes_v4, check_block_size, group_names_v4, slot_bytes_v4
+from .registry import ModelFamily, register_family
+
+FAMILY = register_family(ModelFamily(
+    name="deepseek_v4",
+    display_name="DeepSeek-V4",
+    config_class=DeepseekV4Config,
+    model_class=DeepseekV4Model,
+    kv_cache_class=KVCache,
+    kv_group_names=group_names_v4,
+    kv_block_bytes=block_bytes_v4,
+    kv_slot_bytes=slot_bytes_v4,
+    check_block_size=check_block_size,
+    window_groups=WINDOW_GROUPS_V4,
+    replay_start_layer=lambda cfg: None,  # no KV-source schedule: nothing to replay boundedly
+    dspark_draft_pass=draft_pass,
+    dspark_fused_stages=True,
+    plain_mtp_stages=True,
+    decode_executor=decode_executor,
+    prefill_executor=prefill_executor,
+))
