@@ -16,13 +16,15 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
-from fastpath_bench import PrebuiltLLM, build, commit, decode_speed, prefill_speed, release, sync  # noqa: E402
+from fastpath_bench import (PrebuiltLLM, build, commit, decode_speed, kernel_profile, prefill_speed, release,  # noqa: E402
+                            sync)
 from fastpath_check import token_ids  # noqa: E402
 from fastpath_roofline import ModelCosts  # noqa: E402
 from v41_bounded_replay import mini_v41_config  # noqa: E402
@@ -80,6 +82,8 @@ def run_size(name: str, make_cfg, args) -> dict:
     res["decode"] = [decode_speed(llm, costs, b, args.new_tokens) for b in args.batches]
     res["decode_fast_stats"] = dict(llm.runner.fast.stats) if llm.runner.fast is not None else None
     res["prefill"] = [prefill_speed(llm, costs, args.prefill)]
+    if args.profile and torch.cuda.is_available() and not args.tiny:
+        res["kernel_profile"] = [kernel_profile(llm, b) for b in args.batches]
     release(llm)
     del llm, model
     gc.collect()
@@ -111,6 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--tiny", action="store_true", help="CPU stand-ins (tests of this script)")
     ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--sizes", default="v4_mini,v41_mini")
+    ap.add_argument("--profile", action="store_true", help="kernels per graphed decode step (CUDA)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--check-tokens", type=int, default=24)
     ap.add_argument("--prefill", type=int, default=8192)
@@ -120,16 +126,22 @@ def main(argv: list[str] | None = None) -> dict:
     out: dict = {"commit": os.environ.get("DEEPINFER_COMMIT") or commit(), "hardware": hw,
                  "torch": torch.__version__, "args": vars(args) | {"out": None}}
     for name, make in sizes(args.tiny).items():
-        out[name] = run_size(name, make, args)
+        if name not in args.sizes.split(","):
+            continue
+        try:
+            out[name] = run_size(name, make, args)
+        except Exception:  # recorded: the other size still runs
+            out[name] = {"error": traceback.format_exc()}
+            print(f"{name} failed:\n{out[name]['error']}")
         sync()
-    out["targets"] = targets(out)
+    out["targets"] = targets(out) if all("decode" in out.get(n, {}) for n in ("v4_mini", "v41_mini")) else []
     os.makedirs(args.out, exist_ok=True)
     tag = "h200" if "H200" in hw else ("cpu" if hw == "cpu" else hw.replace(" ", "_").lower())
     path = os.path.join(args.out, f"compiled_engine_{tag}_{out['commit'][:7]}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(f"{'size':10} {'b':>4} {'tok/s':>10} {'step ms':>8}")
-    for name in sizes(args.tiny):
+    for name in [n for n in sizes(args.tiny) if "decode" in out.get(n, {})]:
         for d in out[name]["decode"]:
             print(f"{name:10} {d['batch']:>4} {d['tok_s']:>10} {d['step_ms']:>8}")
         p = out[name]["prefill"][0]

@@ -45,8 +45,11 @@ class RowGroups:
         n = meta.positions.shape[0]
         if meta.starts is None:
             return cls(torch.ones(n, dtype=torch.bool, device=meta.positions.device))
-        rows = torch.arange(n, device=meta.positions.device, dtype=meta.starts.dtype)
-        return cls(torch.isin(rows, meta.starts[:-1]))
+        # a scatter, not torch.isin (which may sync with the host inside a graph capture);
+        # groups past the batch start at row n, the extra slot
+        first = torch.zeros(n + 1, dtype=torch.bool, device=meta.positions.device)
+        first.index_fill_(0, meta.starts[:-1].long(), True)  # (an index_put of True copies a host scalar)
+        return cls(first[:n])
 
 
 @dataclass

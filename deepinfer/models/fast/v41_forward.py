@@ -35,7 +35,7 @@ def _route_logits(gate: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _first_pre(streams: torch.Tensor) -> torch.Tensor:
     """The first site collapses stream 0: a one-hot pre [R, N]."""
     pre = torch.zeros(streams.shape[:2], dtype=torch.float32, device=streams.device)
-    pre[:, 0] = 1.0
+    pre[:, 0].fill_(1.0)
     return pre
 
 
