@@ -25,10 +25,9 @@ from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.sampler import Sampler, SamplingTensors, unpack_greedy
 from deepinfer.engine.transfer import HostResult, ResultCopier, to_device
 from deepinfer.models.deepseek_v4 import DeepseekV4Model
-from deepinfer.models.fast.prefill import PrefillPath
-from deepinfer.models.fast.runner import FastPath
 from deepinfer.models.bounded_replay import replay_free
 from deepinfer.models.kv_cache import ForwardBatch, KVCache, SeqMeta
+from deepinfer.models.registry import family_of
 from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, WAIT, phase
 
 if TYPE_CHECKING:
@@ -67,9 +66,10 @@ class ModelRunner:
         self.replay = None  # V4.1 SWA bounded replay (models.bounded_replay.ReplayConfig), set by the engine
         self.spec = None  # speculative decoding (deepinfer.spec.runner.SpecDecoder), set by deepinfer.spec.setup
         #: GPU fast path (deepinfer/models/fast): batched pure-decode steps + CUDA graphs; None = reference
-        self.fast = FastPath.create(model, cache)
+        family = family_of(model.cfg)  # the family's compiled executors, chosen once
+        self.fast = family.decode_executor(model, cache) if family.decode_executor else None
         #: GPU fast path of prefill / mixed steps (deepinfer/models/fast/prefill.py); None = reference
-        self.fast_prefill = PrefillPath.create(model, cache)
+        self.fast_prefill = family.prefill_executor(model, cache) if family.prefill_executor else None
         #: async scheduling (deepinfer/engine/token_buffer.py): placeholder inputs gathered on the device
         self.token_buffer: DeviceTokenBuffer | None = None
         self.copier = ResultCopier(self.device)

@@ -19,3 +19,19 @@ def prefill_executor(model: Any, cache: Any) -> Any:
     from .fast.prefill import PrefillPath
 
     return PrefillPath.create(model, cache)
+
+
+def v4_decode_program() -> Any:
+    """V4's decode forward (fast/forward.py): logits, and the final streams verify steps use."""
+    from .fast.forward import decode_logits, decode_streams
+    from .fast.runner import DecodeProgram
+
+    return DecodeProgram(decode_logits, decode_streams)
+
+
+def v41_decode_program() -> Any:
+    """V4.1's decode forward (fast/v41_forward.py); its verify rows stay on the reference path."""
+    from .fast.runner import DecodeProgram
+    from .fast.v41_forward import decode_logits_v41
+
+    return DecodeProgram(decode_logits_v41)

@@ -73,6 +73,8 @@ class ModelFamily:
     #: compiled executors, (model, cache) -> executor or None (None: the reference path only)
     decode_executor: Callable[[Any, Any], Any] | None = None
     prefill_executor: Callable[[Any, Any], Any] | None = None
+    #: () -> the family's batched decode forward (fast/runner.py DecodeProgram), loaded lazily
+    decode_program: Callable[[], Any] | None = None
 
     @property
     def model_types(self) -> tuple[str, ...]:

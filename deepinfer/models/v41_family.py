@@ -8,7 +8,7 @@ None there and runs on the reference path."""
 
 from __future__ import annotations
 
-from .compiled import decode_executor, prefill_executor
+from .compiled import decode_executor, prefill_executor, v41_decode_program
 from .config_v41 import DeepseekV41Config
 from .deepseek_v41 import DeepseekV41Model
 from .kv_cache import check_block_size
@@ -34,4 +34,5 @@ FAMILY = register_family(ModelFamily(
     plain_mtp_stages=False,  # mtp.* are DSpark stages, without the e_proj / h_proj of an MTP stage
     decode_executor=decode_executor,
     prefill_executor=prefill_executor,
+    decode_program=v41_decode_program,
 ))

@@ -5,7 +5,7 @@ GPU fast path in models/fast/ (decode steps: FastPath, prefill / mixed: PrefillP
 
 from __future__ import annotations
 
-from .compiled import decode_executor, prefill_executor
+from .compiled import decode_executor, prefill_executor, v4_decode_program
 from .config import DeepseekV4Config
 from .deepseek_v4 import DeepseekV4Model
 from .dspark import draft_pass
@@ -29,4 +29,5 @@ FAMILY = register_family(ModelFamily(
     plain_mtp_stages=True,
     decode_executor=decode_executor,
     prefill_executor=prefill_executor,
+    decode_program=v4_decode_program,
 ))

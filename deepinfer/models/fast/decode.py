@@ -136,7 +136,7 @@ def attention_decode(attn: torch.nn.Module, x: torch.Tensor, ctx: Any) -> torch.
 
 
 #: Decode steps with at most this many rows run the attention's dense ``wo_a`` on the
-#: grouped skinny GEMM (kernels/skinny_gemm.py) instead of cuBLAS's batched GEMM, when its
+#: grouped skinny GEMM (deepinfer_kernels/skinny_gemm.py) instead of cuBLAS's batched GEMM, when its
 #: weight is at most SKINNY_GROUPED_MAX_BYTES. H200, batch 1 (fastpath_bench_h200_dfcd675
 #: vs _044b4fc): `mini` (4 MB per layer) 8 calls took 82 us in cuBLAS, 65 us here; `flash4`
 #: (64 MB per layer) 4 calls 73 us in cuBLAS (3.7 TB/s), 81 us here.

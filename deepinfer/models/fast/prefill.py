@@ -65,7 +65,7 @@ class PrefillPath:
         from ..deepseek_v4 import DeepseekV4Model
 
         mode = envs.DEEPINFER_FAST_PREFILL
-        if mode == "0" or type(model) is not DeepseekV4Model or getattr(model.cfg, "is_v41", False):
+        if mode == "0" or type(model) is not DeepseekV4Model:  # V4.1 prefill: the reference path for now
             return None
         if mode in ("triton", "ref"):
             return cls(model, cache, prefill_ops(mode))

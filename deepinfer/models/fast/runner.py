@@ -41,24 +41,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from deepinfer.config import register_env_var
 from deepinfer.engine.transfer import copy_to_device
 
 from ..kv_cache import ForwardBatch
 from .decode import DecodeMeta, kernel_ops
-from .forward import decode_logits, decode_streams
-from .v41_forward import decode_logits_v41
 from .moe import supported as moe_supported
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: Most tokens of one request a step may feed on this path (a token + up to 7 drafts).
 MAX_ROWS = 8
 
-register_env_var("DEEPINFER_FASTPATH", "auto|0|1|ref|triton: fast path of pure-decode steps (auto = bf16/fp16 on CUDA, 1 = any dtype; "
-                 "ref / triton force it on the host with the torch references / interpreted kernels: tests)")
-register_env_var("DEEPINFER_CUDA_GRAPHS", "0|1 (default 1): CUDA graphs of pure-decode steps on the fast path")
-register_env_var("DEEPINFER_CUDA_GRAPH_WARMUP", "auto|0|1: capture every decode graph shape at engine start, largest "
-                 "first (auto = on CUDA; 0 = capture on first use; 1 = also emulated on a host cache: tests)")
+# DEEPINFER_FASTPATH, DEEPINFER_CUDA_GRAPHS, DEEPINFER_CUDA_GRAPH_WARMUP: declared in deepinfer/envs.py
 
 
 @dataclass(frozen=True)
@@ -71,13 +64,12 @@ class DecodeProgram:
     streams: Any = None
 
 
-#: model class name -> its decode program (the model registry's executor entry)
-DECODE_PROGRAMS = {"DeepseekV4Model": DecodeProgram(decode_logits, decode_streams),
-                   "DeepseekV41Model": DecodeProgram(decode_logits_v41)}
-
-
 def decode_program(model: Any) -> DecodeProgram | None:
-    return DECODE_PROGRAMS.get(type(model).__name__)
+    """The model's family's decode program (models/registry.py), None without one."""
+    from ..registry import family_of
+
+    load = family_of(model.cfg).decode_program
+    return load() if load is not None else None
 
 
 def _next_pow2(n: int) -> int:
@@ -120,11 +112,11 @@ class GraphReductions:
 class FastPath:
     unavailable: str | None = None  # why the kernels did not import, if they did not
 
-    def __init__(self, model: Any, cache: Any, ops: Any, graphs: bool) -> None:
+    def __init__(self, model: Any, cache: Any, ops: Any, graphs: bool, program: DecodeProgram | None = None) -> None:
         self.model, self.cache, self.ops = model, cache, ops
         self.device = cache.swa[0].device
         self.groups = list(cache.num_blocks)  # the family's block groups (V4: swa/csa/hca, V4.1: swa/dec/src)
-        self.program = decode_program(model)
+        self.program = program or decode_program(model)
         self.graphs_enabled = graphs
         self.max_graph_batch = BUCKETS[-1]
         self._inputs: dict[tuple[int, int], StepInputs] = {}  # persistent per graph shape
