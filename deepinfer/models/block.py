@@ -11,16 +11,9 @@ from torch import nn
 
 from .attention import Attention, ForwardContext
 from .config import DeepseekV4Config
-from .mhc import hc_post, hc_pre
+from .mhc import hc_params, hc_post, hc_pre
 from .moe import MoE
 from .norm import RMSNorm
-
-
-def _hc_params(module: nn.Module, prefix: str, n: int, hidden: int) -> None:
-    mix = (2 + n) * n
-    setattr(module, f"{prefix}_fn", nn.Parameter(torch.zeros(mix, n * hidden, dtype=torch.float32)))
-    setattr(module, f"{prefix}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
-    setattr(module, f"{prefix}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 
 
 class Block(nn.Module):
@@ -31,8 +24,8 @@ class Block(nn.Module):
         self.cfg = cfg
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        _hc_params(self, "hc_attn", cfg.hc_mult, cfg.hidden_size)
-        _hc_params(self, "hc_ffn", cfg.hc_mult, cfg.hidden_size)
+        hc_params(self, "hc_attn", cfg.hc_mult, cfg.hidden_size)
+        hc_params(self, "hc_ffn", cfg.hc_mult, cfg.hidden_size)
         self.attn = Attention(cfg, cache_id, ratio, dtype)
         self.ffn = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
                        cfg.n_shared_experts, is_hash, cfg.vocab_size, cfg.scoring_func, cfg.routed_scaling_factor,

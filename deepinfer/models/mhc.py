@@ -9,6 +9,7 @@ the sublayer input, `post` spreads the sublayer output back over the streams and
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from . import invariant_ops
 from .norm import unweighted_rms_norm
@@ -48,3 +49,11 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), norm_eps)
     pre = invariant_ops.sigmoid(invariant_ops.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
     return invariant_ops.collapse_streams(pre, streams).to(streams.dtype)
+
+
+def hc_params(module: nn.Module, prefix: str, n: int, hidden: int) -> None:
+    """Register ``{prefix}_fn / _base / _scale``: one mHC site's mix weights (float32, as checkpointed)."""
+    mix = (2 + n) * n
+    setattr(module, f"{prefix}_fn", nn.Parameter(torch.zeros(mix, n * hidden, dtype=torch.float32)))
+    setattr(module, f"{prefix}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
+    setattr(module, f"{prefix}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))

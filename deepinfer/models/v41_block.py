@@ -15,7 +15,8 @@ from .config_v41 import DeepseekV41Config
 from .engram import Engram
 from .norm import RMSNorm
 from .v41_attention import Attention41
-from .v41_layers import V41Context, MoE41, _hc_params, hc_collapse, hc_expand, hc_mixes
+from .mhc import hc_params
+from .v41_layers import V41Context, MoE41, hc_collapse, hc_expand, hc_mixes
 
 
 class Block41(nn.Module):
@@ -27,8 +28,8 @@ class Block41(nn.Module):
         self.cfg, self.layer = cfg, layer
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        _hc_params(self, "hc_attn", cfg.hc_mult, cfg.hidden_size)
-        _hc_params(self, "hc_ffn", cfg.hc_mult, cfg.hidden_size)
+        hc_params(self, "hc_attn", cfg.hc_mult, cfg.hidden_size)
+        hc_params(self, "hc_ffn", cfg.hc_mult, cfg.hidden_size)
         self.attn = Attention41(cfg, layer, ratio, dtype)
         self.ffn = MoE41(cfg, n_experts or cfg.n_routed_experts, top_k or cfg.num_experts_per_tok, dtype)
         self.engram_index = cfg.engram_layer_ids.index(layer) if layer in cfg.engram_layer_ids else None

@@ -72,13 +72,6 @@ def hc_expand(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb
     return (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(streams.dtype)
 
 
-def _hc_params(module: nn.Module, prefix: str, n: int, hidden: int) -> None:
-    mix = (2 + n) * n
-    setattr(module, f"{prefix}_fn", nn.Parameter(torch.zeros(mix, n * hidden, dtype=torch.float32)))
-    setattr(module, f"{prefix}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
-    setattr(module, f"{prefix}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
-
-
 # ---- MoE ------------------------------------------------------------------------------
 class Gate41(nn.Module):
     """Router: float32 scores of logits / gate_temp; `bias` steers selection only;
