@@ -71,7 +71,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tens
     return out
 
 
-def _select(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+def select_topk(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     """Top-k ids per row, ties to the lowest id, -1 where the score is -inf."""
     k = min(top_k, scores.shape[1])
     vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
@@ -88,7 +88,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor
     `n_cols` >= the most entries any request sees (e.g. (max_pos + 1) // ratio)."""
     scores = indexer_scores(q, weights, positions, pool, table, ratio, n_cols, weight_scale=weight_scale,
                             rope_inv_freq=rope_inv_freq)
-    return _select(scores, top_k)
+    return select_topk(scores, top_k)
 
 
 def indexer_topk_ref(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,

@@ -22,6 +22,7 @@ warm-up before a graph capture); padded graph rows repeat row 0.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from ..kv_cache_v41 import GROUP_SRC
 from ..kv_quant import fp4_block_sim, fp8_block_sim
-from ..rope import apply_rope
+from ..rope import Rotary, apply_rope
 from .decode import DecodeMeta, _inv_freq, grouped_out
 from .fused_weights import project
 
@@ -74,9 +75,8 @@ class V41DecodeStep:
 
 
 def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``Rotary.cos_sin`` from frequencies already on the device."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    return freqs.cos().to(dtype).float(), freqs.sin().to(dtype).float()
+    """``Rotary.cos_sin`` from frequencies already on the device (no host copy in a graph)."""
+    return Rotary.cos_sin(SimpleNamespace(inv_freq=inv_freq), positions, dtype)
 
 
 def paged_write(pool: torch.Tensor, table: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
@@ -153,29 +153,15 @@ def select(attn: torch.nn.Module, x_weights: torch.Tensor, iq_raw: torch.Tensor,
     scores = meta.ops.indexer_scores(q, x_weights, pos, step.cache.src_index[src], meta.tables32[GROUP_SRC],
                                      ix.ratio, n_cols, weight_scale=ix.n_heads ** -0.5)
     if ix.is_candidate_source:
-        step.candidates = _candidate_blocks(scores, (pos.long() + 1) // ix.ratio, ix.cand_block, ix.cand_topk)
+        # the reference's level one (graph-safe); padded columns past a row's entries are
+        # -inf, so their blocks are never kept, as in the reference
+        step.candidates = ix._candidate_blocks(scores, (pos.long() + 1) // ix.ratio)
     elif ix.uses_candidates and step.candidates is not None:
         allowed = step.candidates.repeat_interleave(ix.cand_block, dim=1)[:, :n_cols]
         scores = scores.masked_fill(~allowed, float("-inf"))
-    vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
-    k = min(ix.topk, n_cols)
-    top = torch.where(vals[:, :k] == float("-inf"), -1, idx[:, :k])
-    return F.pad(top, (0, ix.topk - k), value=-1).to(torch.int32)
+    from deepinfer_kernels.indexer_topk import select_topk  # lazily, as kernel_ops imports the kernels
 
-
-def _candidate_blocks(scores: torch.Tensor, lens: torch.Tensor, block: int, top_blocks: int) -> torch.Tensor:
-    """Level one of the two-level top-k (``Indexer41._candidate_blocks``) over padded
-    columns: blocks past a row's entries are -inf and never kept, as in the reference."""
-    n = scores.shape[1]
-    nb = -(-n // block)
-    blocks = F.pad(scores, (0, nb * block - n), value=float("-inf")).view(-1, nb, block).amax(dim=-1)
-    newest = ((lens - 1) // block).clamp(min=0)
-    pin = (torch.arange(nb, device=scores.device)[None, :] == newest[:, None]) & (lens[:, None] > 0)
-    blocks = blocks.masked_fill(pin, float("inf"))
-    vals, order = torch.sort(blocks, dim=-1, descending=True, stable=True)
-    kb = min(top_blocks, nb)
-    keep = torch.zeros_like(blocks, dtype=torch.bool)
-    return keep.scatter_(1, order[:, :kb], vals[:, :kb] > float("-inf"))
+    return select_topk(scores, ix.topk)
 
 
 def attention_decode_v41(attn: torch.nn.Module, x: torch.Tensor, step: V41DecodeStep) -> torch.Tensor:
