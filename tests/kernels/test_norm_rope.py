@@ -67,3 +67,37 @@ def test_norm_rope_rejects_bad_width() -> None:
     with pytest.raises(ValueError, match="head width 48"):
         norm_rope(torch.zeros(2, 48, device=DEVICE), torch.zeros(2, dtype=torch.long, device=DEVICE),
                   FREQS["plain"].to(DEVICE))
+
+
+@pytest.mark.parametrize("quant,block", [("none", 32), ("fp8", 32), ("fp4", 32), ("fp4_e4m3", 16)])
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_norm_rope_group_entries_quantized(fresh_seed: int, quant: str, block: int, ratio: int) -> None:
+    """V4.1's pooled entries: group p // ratio RoPE'd at its first position, rounded to the
+    cache format, written only by the row that closes the group; other slots untouched."""
+    g = gen(fresh_seed)
+    t, d, bs, width = 6, 64, 4, 6
+    x = (torch.randn(t, d, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    pos = torch.tensor([0, 1, 6, 9, 14, 23]).to(DEVICE)
+    table = torch.randperm(t * width, generator=g).view(t, width).to(torch.int32).to(DEVICE)
+    w = (torch.rand(d, generator=g) + 0.5).to(DEVICE)
+    pool = torch.randn(t * width, bs, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    before, ref_pool = pool.clone(), pool.clone()
+    freq = FREQS["yarn"].to(DEVICE)
+    kw = dict(table=table, ratio=ratio, quant=quant, quant_block=block)
+    assert norm_rope(x, pos, freq, "weighted", w, 1e-6, pool=pool, **kw) is None
+    norm_rope_ref(x, pos, freq, "weighted", w, 1e-6, pool=ref_pool, **kw)
+    assert_close(pool.float(), ref_pool.float(), torch.bfloat16)
+    assert (pool != ref_pool).float().mean() < 0.01  # equal but for rare last-ulp cos/sin differences
+    rows_written = int((pool != before).any(-1).sum())
+    assert rows_written == int(((pos + 1) % ratio == 0).sum())  # only the closing rows write
+
+
+def test_norm_rope_quantized_heads(fresh_seed: int) -> None:
+    """The indexer query: every head RoPE'd and FP4-rounded per 32 channels, bitwise."""
+    g = gen(fresh_seed)
+    x = torch.randn(3, 4, 64, generator=g).to(torch.float32).to(DEVICE)
+    pos = torch.randint(0, 300, (3,), generator=g).to(DEVICE)
+    freq = FREQS["yarn"].to(DEVICE)
+    out = norm_rope(x, pos, freq, quant="fp4", quant_block=32)
+    ref = norm_rope_ref(x, pos, freq, quant="fp4", quant_block=32)
+    assert (out != ref).float().mean() < 0.02

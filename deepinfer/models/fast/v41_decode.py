@@ -22,15 +22,12 @@ warm-up before a graph capture); padded graph rows repeat row 0.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..kv_cache_v41 import GROUP_SRC
-from ..kv_quant import fp4_block_sim, fp8_block_sim
-from ..rope import Rotary, apply_rope
 from .decode import DecodeMeta, _inv_freq, grouped_out
 from .fused_weights import project
 
@@ -74,11 +71,6 @@ class V41DecodeStep:
                    RowGroups.of(meta))
 
 
-def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``Rotary.cos_sin`` from frequencies already on the device (no host copy in a graph)."""
-    return Rotary.cos_sin(SimpleNamespace(inv_freq=inv_freq), positions, dtype)
-
-
 def paged_write(pool: torch.Tensor, table: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
                 where: torch.Tensor | None = None) -> None:
     """pool[table[r, index // per], index % per] = values[r] (only where ``where``: a
@@ -110,11 +102,13 @@ def _linear_f32(lin: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def publish(attn: torch.nn.Module, x: torch.Tensor, step: V41DecodeStep) -> None:
-    """A KV source's compressor for this step's rows (``Attention41.publish``)."""
-    comp, meta, cache = attn.compressor, step.meta, step.cache
+    """A KV source's compressor for this step's rows (``Attention41.publish``): the pooled
+    latent's entry and index key are normed, RoPE'd at the group's first position, rounded
+    to their cache formats and written by the row closing the group, one launch each."""
+    comp, meta, cache, ops, ix = attn.compressor, step.meta, step.cache, step.meta.ops, attn.indexer
     r, pos = comp.ratio, meta.positions.long()
     if r == 1:
-        latent, closes = comp.norm(comp.wkv(x)), None
+        pooled = comp.wkv(x)
     else:
         kv, sc = _linear_f32(comp.wkv, x), _linear_f32(comp.wgate, x)
         ring = cache.ring[attn.layer]  # [slots, L, 2, d] f32: the projections at position % L
@@ -127,16 +121,13 @@ def publish(attn: torch.nn.Module, x: torch.Tensor, step: V41DecodeStep) -> None
             raise NotImplementedError(f"V4.1 fast decode pools ratio 1 or 2, got ratio {r}")
         kv_win = torch.stack([prev[:, 0], kv], dim=1)  # [R, 2, d] positions p - 1, p
         sc_win = torch.stack([prev[:, 1], sc], dim=1)
-        latent = comp.norm((kv_win * sc_win.softmax(dim=1)).sum(dim=1).to(x.dtype))
-        closes = (pos + 1) % r == 0
-    group = pos // r
-    cos, sin = cos_sin(step.inv_comp, group * r, latent.dtype)
-    table = meta.tables32[GROUP_SRC]
-    paged_write(cache.src_index[attn.layer], table, group, attn.indexer.keys(latent, cos, sin), closes)
-    entries = apply_rope(latent, cos, sin)
-    if attn.sim:
-        entries = fp4_block_sim(entries, 16, e4m3_scale=True)
-    paged_write(cache.src_kv[attn.layer], table, group, entries, closes)
+        pooled = (kv_win * sc_win.softmax(dim=1)).sum(dim=1).to(x.dtype)
+    latent = ops.rms_norm(pooled, comp.norm.weight, comp.norm.eps)
+    table, inv = meta.tables32[GROUP_SRC], step.inv_comp
+    ops.norm_rope(ix.wk(latent), pos, inv, "weighted", ix.k_norm.weight, ix.k_norm.eps, pool=cache.src_index[attn.layer],
+                  table=table, ratio=r, quant="fp4" if ix.sim else "none", quant_block=32)
+    ops.norm_rope(latent, pos, inv, "none", pool=cache.src_kv[attn.layer], table=table, ratio=r,
+                  quant="fp4_e4m3" if attn.sim else "none", quant_block=16)
 
 
 def select(attn: torch.nn.Module, x_weights: torch.Tensor, iq_raw: torch.Tensor, step: V41DecodeStep,
@@ -144,11 +135,8 @@ def select(attn: torch.nn.Module, x_weights: torch.Tensor, iq_raw: torch.Tensor,
     """An index source's top-k entry ids [R, index_topk] int32 (-1 = none), ``Indexer41.select``."""
     ix, meta = attn.indexer, step.meta
     pos = meta.positions
-    n = iq_raw.shape[0]
-    cos, sin = cos_sin(step.inv_comp, pos, iq_raw.dtype)
-    q = apply_rope(iq_raw.reshape(n, ix.n_heads, ix.dim), cos, sin)
-    if ix.sim:
-        q = fp4_block_sim(q, 32)
+    q = meta.ops.norm_rope(iq_raw.reshape(iq_raw.shape[0], ix.n_heads, ix.dim), pos, step.inv_comp,
+                           quant="fp4" if ix.sim else "none", quant_block=32)
     src = attn.kv_source
     scores = meta.ops.indexer_scores(q, x_weights, pos, step.cache.src_index[src], meta.tables32[GROUP_SRC],
                                      ix.ratio, n_cols, weight_scale=ix.n_heads ** -0.5)
@@ -179,11 +167,8 @@ def attention_decode_v41(attn: torch.nn.Module, x: torch.Tensor, step: V41Decode
     q = ops.norm_rope(q_side[0].view(n, attn.n_heads, attn.head_dim), pos, inv, "none")
     pool, group = cache.window(attn.layer)
     table = meta.tables32[group]
-    if attn.sim:  # FP8 window KV: rounded before it is stored
-        kv = ops.norm_rope(proj[1], pos, inv, "weighted", attn.kv_norm.weight, attn.kv_norm.eps)
-        paged_write(pool, table, pos, fp8_block_sim(kv.reshape(n, -1), 32))
-    else:
-        ops.norm_rope(proj[1], pos, inv, "weighted", attn.kv_norm.weight, attn.kv_norm.eps, pool=pool, table=table)
+    ops.norm_rope(proj[1], pos, inv, "weighted", attn.kv_norm.weight, attn.kv_norm.eps, pool=pool, table=table,
+                  quant="fp8" if attn.sim else "none", quant_block=32)  # FP8 window KV: rounded as stored
     comp_pool = comp_table = None
     max_keys = attn.window
     if attn.ratio:
