@@ -207,8 +207,15 @@ class Engram(nn.Module):
 
     def forward(self, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """streams [T, hc, D], rows [T, cols] -> streams with the gated value added."""
+        return self.gate(streams, self.project(rows))
+
+    def project(self, rows: torch.Tensor) -> torch.Tensor:
+        """The looked-up rows [T, cols] through ``wkv``: hc keys and one value, [T, (hc + 1) * D]."""
         emb = self.embed.weight[rows].flatten(1)  # [T, cols * head_dim]
-        kv = self.wkv(emb.to(self.wkv.weight.dtype))
+        return self.wkv(emb.to(self.wkv.weight.dtype))
+
+    def gate(self, streams: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """streams + sigmoid(signed sqrt(normalised <stream, w * key>)) * value, per stream."""
         key = kv[:, : self.hc * self.hidden].float().view(-1, self.hc, self.hidden)
         value = kv[:, self.hc * self.hidden:].float()
         h = streams.float()

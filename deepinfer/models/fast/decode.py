@@ -39,6 +39,7 @@ def kernel_ops(kind: str) -> SimpleNamespace:
     from deepinfer_kernels import argmax_lse as am
     from deepinfer_kernels import compressor_decode as cd
     from deepinfer_kernels import decode_attention as da
+    from deepinfer_kernels import engram as eg
     from deepinfer_kernels import fused_moe as fm
     from deepinfer_kernels import fused_moe_w8a8 as w8
     from deepinfer_kernels import indexer_topk as it
@@ -54,7 +55,8 @@ def kernel_ops(kind: str) -> SimpleNamespace:
     mods = {"decode_attention": da, "indexer_topk": it, "router": rt, "fused_moe": fm, "hc_pre": mhc,
             "hc_post_pre": mhc, "hc_head": mhc, "compressor_decode": cd, "norm_rope": nr, "rms_norm": rn,
             "fused_moe_w8a8": w8, "skinny_linear": sg, "skinny_grouped_linear": sg, "argmax_logsumexp": am,
-            "hc_shifted": mhc, "indexer_scores": it}
+            "hc_shifted": mhc, "indexer_scores": it, "engram_hash": eg,
+            "engram_gate": eg}
     return SimpleNamespace(kind=kind, **{name: getattr(mod, name + sfx) for name, mod in mods.items()})
 
 

@@ -71,20 +71,6 @@ class V41DecodeStep:
                    RowGroups.of(meta))
 
 
-def paged_write(pool: torch.Tensor, table: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
-                where: torch.Tensor | None = None) -> None:
-    """pool[table[r, index // per], index % per] = values[r] (only where ``where``: a
-    read-modify-write, so skipped rows rewrite what is there)."""
-    per = pool.shape[1]
-    idx = index.long()
-    blk = table.long().gather(1, (idx // per)[:, None])[:, 0]
-    sub = idx % per
-    if where is not None:
-        shape = (-1,) + (1,) * (values.dim() - 1)
-        values = torch.where(where.view(shape), values.to(pool.dtype), pool[blk, sub])
-    pool[blk, sub] = values.to(pool.dtype)
-
-
 def _float_weight(lin: torch.nn.Module) -> torch.Tensor:
     """A float32 copy of a dense Linear's weight, kept on the module until the weight moves
     (the compressor and router project in float32, as the reference does)."""
@@ -184,14 +170,8 @@ def attention_decode_v41(attn: torch.nn.Module, x: torch.Tensor, step: V41Decode
 
 
 def engram_hash_rows(model: Any, input_ids: torch.Tensor, step: V41DecodeStep) -> torch.Tensor:
-    """Hash rows [R, engram layers, cols] of this step's rows: each row's token goes into
-    the paged token store first, then its look-back is read back (``_engram_rows``)."""
-    meta, cache, hasher = step.meta, step.cache, model.hasher
-    pos = meta.positions.long()
-    table = meta.tables32["swa"]
-    paged_write(cache.tokens, table, pos, input_ids.long())
-    back = pos[:, None] - torch.arange(hasher.max_ngram, device=pos.device)[None, :]  # [R, N]: p, p-1, ...
-    per = cache.tokens.shape[1]
-    blk = table.long().gather(1, back.clamp(min=0) // per)
-    window = torch.where(back >= 0, cache.tokens[blk, back.clamp(min=0) % per], -1)
-    return hasher.hash_window(window, pos)
+    """Hash rows [R, engram layers, cols] of this step's rows (one launch): each row's token
+    goes into the paged token store, its look-back is read back (``_engram_rows``)."""
+    meta = step.meta
+    return meta.ops.engram_hash(model.hasher, input_ids, meta.positions, meta.slots, meta.tables32["swa"],
+                                step.cache.tokens)

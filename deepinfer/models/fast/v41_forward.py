@@ -6,7 +6,7 @@ Per layer: (Engram) -> shifted mHC site (the previous sublayer's expansion, this
 mixes, the input collapsed with the previous site's ``pre`` and normed: one fused launch
 pair, ``deepinfer_kernels.mhc.hc_shifted``) -> attention (``v41_decode``) -> the ffn
 site -> fused MoE. An Engram layer adds its memory to the expanded streams, so the
-previous expansion runs on its own there.
+previous expansion runs inside its gate's launch (``deepinfer_kernels.engram``).
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ def decode_hidden_v41(model: Any, batch: ForwardBatch, cache: KVCache,
     hash_rows = engram_hash_rows(model, ids, step) if model.hasher is not None else None
     prev = None  # (sublayer output, post, comb) whose expansion is still to apply
     for i, layer in enumerate(model.layers):
-        if (capture is not None and i in capture) or layer.engram_index is not None:
+        if capture is not None and i in capture:
             if prev is not None:
                 streams, prev = hc_expand(prev[0], streams, prev[1], prev[2]), None
-            if capture is not None and i in capture:
-                capture[i] = streams
-            if layer.engram_index is not None:
-                streams = layer.engram(streams, hash_rows[:, layer.engram_index])
+            capture[i] = streams
+        if layer.engram_index is not None:  # the pending expansion inside the gate's launch
+            kv = layer.engram.project(hash_rows[:, layer.engram_index])
+            streams, prev = ops.engram_gate(layer.engram, streams, kv, prev), None
         new, a_pre, a_post, a_comb, x = ops.hc_shifted(streams, *_site(layer, "attn"), iters, hc_eps, eps, pre,
                                                        (layer.attn_norm.weight, layer.attn_norm.eps), prev)
         streams = streams if new is None else new
