@@ -74,7 +74,7 @@ def engram_hash(hasher, ids: torch.Tensor, positions: torch.Tensor, slots: torch
         _hash_kernel[(ids.shape[0],)](
             ids, positions, slots, table, store, hasher.token_map, hasher.multipliers.contiguous(),
             hasher.primes.contiguous(), hasher.offsets.contiguous(), out, table.stride(0), store.shape[1],
-            int(hasher.token_map[hasher.pad_token]), L=n_layers, N=n, H=heads, LP=next_pow2(n_layers),
+            hasher.pad_compressed, L=n_layers, N=n, H=heads, LP=next_pow2(n_layers),
             HP=next_pow2(heads), num_warps=1)
     return out
 

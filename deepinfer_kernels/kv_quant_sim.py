@@ -68,7 +68,7 @@ def block_quant_sim(v, ROWS: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr, 
         scale = _pow2_ceil(tl.div_rn(tl.maximum(amax, 6.0 * 2.0 ** -126), 6.0))
         lim = 6.0
     else:
-        scale = _e4m3_round(tl.minimum(tl.div_rn(tl.maximum(amax, 6.0 * 2.0 ** -9), 6.0), 448.0))
+        scale = _e4m3_round(tl.minimum(tl.div_rn(tl.maximum(amax, 6.0 * 2.0 ** -9), 6.0), 448.0))  # saturated
         lim = 6.0
     q = tl.minimum(tl.maximum(tl.div_rn(b, scale[:, :, None]), -lim), lim)
     if MODE == 1:

@@ -159,7 +159,9 @@ def kernel_profile(llm, batch: int, short: int = 4, extra: int = 8) -> dict:
     top = sorted(diff.items(), key=lambda kv: -kv[1][1])[:12]
     return {"batch": batch, "kernels_per_decode_step": round(kernels, 1), "gpu_busy_us_per_step": round(gpu_us, 1),
             "wall_us_per_step": round(step_us, 1), "gpu_busy_frac": round(gpu_us / max(step_us, 1e-9), 3),
-            "top_kernels_us_per_step": {k[:80]: round(t / extra, 1) for k, (_, t) in top}}
+            "top_kernels_us_per_step": {k[:80]: round(t / extra, 1) for k, (_, t) in top},
+            "kernel_table": [{"name": k[:100], "calls_per_step": round(c / extra, 2), "us_per_step": round(t / extra, 2)}
+                             for k, (c, t) in sorted(diff.items(), key=lambda kv: -kv[1][1]) if c > 0]}
 
 
 # ---------------------------------------------------------------------------- driver

@@ -149,6 +149,7 @@ class NgramHasher:
         # "modulo" map by default; the loader binds the tokenizer-derived one when asked to.
         vocab = torch.arange(cfg.vocab_size, dtype=torch.int64, device="cpu")
         self.token_map = vocab % cfg.engram_compressed_vocab_size
+        self.pad_compressed = int(self.token_map[self.pad_token])  # a host int: kernels take it in graphs
 
     @property
     def lookback(self) -> int:
@@ -156,6 +157,7 @@ class NgramHasher:
 
     def bind_token_map(self, lookup: list[int]) -> None:
         self.token_map = torch.tensor(lookup, dtype=torch.int64, device=self.token_map.device)
+        self.pad_compressed = int(lookup[self.pad_token])
 
     def _to(self, device: torch.device) -> None:
         if self.token_map.device != device:

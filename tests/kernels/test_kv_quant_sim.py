@@ -20,7 +20,8 @@ CASES = [("fp8", 32), ("fp4", 32), ("fp4_e4m3", 16)]
 
 def _inputs(seed: int, dtype: torch.dtype) -> torch.Tensor:
     g = gen(seed)
-    x = torch.randn(6, 4, 64, generator=g) * torch.logspace(-6, 3, 6)[:, None, None]  # scales 1e-6 .. 1e3 per row
+    # scales 1e-6 .. 1e2 per row (an FP4 block's e4m3 scale stays inside e4m3's range)
+    x = torch.randn(6, 4, 64, generator=g) * torch.logspace(-6, 2, 6)[:, None, None]
     # ties: exact multiples of grid points relative to the block max, and zeros inside a block
     x[0, 0, :8] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
     x[0, 1, 16:32] = 0.0
@@ -33,7 +34,7 @@ def test_kv_quant_sim_bitwise(fresh_seed: int, dtype: torch.dtype, mode: str, bl
     x = _inputs(fresh_seed, dtype)
     out, ref = kv_quant_sim(x, mode, block), kv_quant_sim_ref(x, mode, block)
     assert out.dtype == dtype and not torch.equal(ref, x), "the rounding must change something"
-    assert torch.equal(out, ref), f"{(out != ref).sum()} values differ"
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
 def test_kv_quant_sim_leaves_undivided_width(fresh_seed: int) -> None:

@@ -40,6 +40,7 @@ def kernel_ops(kind: str) -> SimpleNamespace:
     from deepinfer_kernels import compressor_decode as cd
     from deepinfer_kernels import decode_attention as da
     from deepinfer_kernels import engram as eg
+    from deepinfer_kernels import hc_collapse as hcc
     from deepinfer_kernels import fused_moe as fm
     from deepinfer_kernels import fused_moe_w8a8 as w8
     from deepinfer_kernels import indexer_topk as it
@@ -47,6 +48,7 @@ def kernel_ops(kind: str) -> SimpleNamespace:
     from deepinfer_kernels import norm_rope as nr
     from deepinfer_kernels import rms_norm as rn
     from deepinfer_kernels import router as rt
+    from deepinfer_kernels import linear_f32 as lf
     from deepinfer_kernels import skinny_gemm as sg
 
     if kind not in ("triton", "ref"):
@@ -56,7 +58,8 @@ def kernel_ops(kind: str) -> SimpleNamespace:
             "hc_post_pre": mhc, "hc_head": mhc, "compressor_decode": cd, "norm_rope": nr, "rms_norm": rn,
             "fused_moe_w8a8": w8, "skinny_linear": sg, "skinny_grouped_linear": sg, "argmax_logsumexp": am,
             "hc_shifted": mhc, "indexer_scores": it, "engram_hash": eg,
-            "engram_gate": eg}
+            "engram_gate": eg, "linear_f32": lf,
+            "hc_collapse_norm": hcc}
     return SimpleNamespace(kind=kind, **{name: getattr(mod, name + sfx) for name, mod in mods.items()})
 
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..kv_cache_v41 import GROUP_SRC
 from .decode import DecodeMeta, _inv_freq, grouped_out
@@ -81,10 +80,10 @@ def _float_weight(lin: torch.nn.Module) -> torch.Tensor:
     return hit[1]
 
 
-def _linear_f32(lin: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _linear_f32(lin: torch.nn.Module, x: torch.Tensor, ops: Any) -> torch.Tensor:
     if lin.quantized is not None or lin._parameters.get("weight") is None:
         return lin(x).float()  # quantized checkpoint bytes: their own GEMM
-    return F.linear(x.float(), _float_weight(lin))
+    return ops.linear_f32(x, _float_weight(lin))
 
 
 def publish(attn: torch.nn.Module, x: torch.Tensor, step: V41DecodeStep) -> None:
@@ -96,7 +95,7 @@ def publish(attn: torch.nn.Module, x: torch.Tensor, step: V41DecodeStep) -> None
     if r == 1:
         pooled = comp.wkv(x)
     else:
-        kv, sc = _linear_f32(comp.wkv, x), _linear_f32(comp.wgate, x)
+        kv, sc = _linear_f32(comp.wkv, x, ops), _linear_f32(comp.wgate, x, ops)
         ring = cache.ring[attn.layer]  # [slots, L, 2, d] f32: the projections at position % L
         n_ring, slot = ring.shape[1], meta.slots.long()
         # the previous row of the group: this step's previous row, or the ring

@@ -5,19 +5,19 @@ layers -> final collapse, norm and head; same math as ``DeepseekV41Model.forward
 Per layer: (Engram) -> shifted mHC site (the previous sublayer's expansion, this site's
 mixes, the input collapsed with the previous site's ``pre`` and normed: one fused launch
 pair, ``deepinfer_kernels.mhc.hc_shifted``) -> attention (``v41_decode``) -> the ffn
-site -> fused MoE. An Engram layer adds its memory to the expanded streams, so the
-previous expansion runs inside its gate's launch (``deepinfer_kernels.engram``).
+site -> fused MoE (router logits in float32: ``deepinfer_kernels.linear_f32``). An Engram
+layer adds its memory to the expanded streams, so the previous expansion runs inside its
+gate's launch (``deepinfer_kernels.engram``). The head: the last expansion, the collapse
+and the final norm in one launch (``deepinfer_kernels.hc_collapse``), then the LM head.
 """
-
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..kv_cache import ForwardBatch, KVCache
-from ..v41_layers import hc_collapse, hc_expand
+from ..v41_layers import hc_expand
 from .forward import head_logits
 from .moe import moe_forward
 from .v41_decode import V41DecodeStep, _float_weight, attention_decode_v41, engram_hash_rows
@@ -27,9 +27,9 @@ def _site(block: torch.nn.Module, which: str) -> tuple[torch.Tensor, torch.Tenso
     return getattr(block, f"hc_{which}_fn"), getattr(block, f"hc_{which}_base"), getattr(block, f"hc_{which}_scale")
 
 
-def _route_logits(gate: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _route_logits(gate: torch.nn.Module, x: torch.Tensor, ops: Any) -> torch.Tensor:
     """``Gate41``'s float32 router logits / gate_temp (scores come from them in the router)."""
-    return F.linear(x.float(), _float_weight(gate)) / gate.temp
+    return ops.linear_f32(x, _float_weight(gate), gate.temp)
 
 
 def _first_pre(streams: torch.Tensor) -> torch.Tensor:
@@ -39,10 +39,11 @@ def _first_pre(streams: torch.Tensor) -> torch.Tensor:
     return pre
 
 
-def decode_hidden_v41(model: Any, batch: ForwardBatch, cache: KVCache,
-                      capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-    """Collapsed final hidden states [R, hidden] of every row (``batch.decode`` set).
-    ``capture``: for every layer id among its keys, that layer's input streams [R, N, D]."""
+def decode_layers_v41(model: Any, batch: ForwardBatch, cache: KVCache,
+                      capture: dict[int, torch.Tensor] | None = None) -> tuple:
+    """Every layer for the rows of ``batch.decode``: (streams, the head's pre, the last
+    MoE's pending expansion (out, post, comb)). ``capture``: for every layer id among its
+    keys, that layer's input streams [R, N, D]."""
     meta = batch.decode
     ops, cfg, ids = meta.ops, model.cfg, batch.input_ids
     step = V41DecodeStep.start(model, meta, cache)
@@ -67,13 +68,13 @@ def decode_hidden_v41(model: Any, batch: ForwardBatch, cache: KVCache,
                                                          (layer.ffn_norm.weight, layer.ffn_norm.eps),
                                                          (out, a_post, a_comb))
         ffn = layer.ffn
-        prev = (moe_forward(ffn, x, ids, ops, logits=_route_logits(ffn.gate, x)), f_post, f_comb)
-    streams = hc_expand(prev[0], streams, prev[1], prev[2])
-    return hc_collapse(streams, pre)
+        prev = (moe_forward(ffn, x, ids, ops, logits=_route_logits(ffn.gate, x, ops)), f_post, f_comb)
+    return streams, pre, prev
 
 
 def decode_logits_v41(model: Any, batch: ForwardBatch, cache: KVCache,
                       capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """Float32 logits [R, V] of every row of a decode batch."""
-    hidden = decode_hidden_v41(model, batch, cache, capture)
-    return head_logits(model, batch.decode.ops, model.norm(hidden))
+    streams, pre, prev = decode_layers_v41(model, batch, cache, capture)
+    ops = batch.decode.ops
+    return head_logits(model, ops, ops.hc_collapse_norm(streams, pre, (model.norm.weight, model.norm.eps), prev))
