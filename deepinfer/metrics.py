@@ -88,6 +88,7 @@ class MetricsCollector:
         self._steps: deque[dict[str, Any]] = deque(maxlen=self._max_steps)
         self._requests: OrderedDict[str, RequestRecord] = OrderedDict()
         self._num_steps = 0
+        self._last_end = float("-inf")  # perf_counter time the previous recorded step landed
 
     # ------------------------------------------------------------------ feeding
     def _record_for(self, req: Request) -> RequestRecord:
@@ -105,7 +106,13 @@ class MetricsCollector:
                     t_end: float | None = None) -> None:
         """Record one engine step. ``touched``: the requests ``Scheduler.update`` returned
         (new tokens or finished), read after stop-string handling; ``t_start``/``t_end``:
-        ``time.perf_counter()`` around the step (``t_end`` defaults to now)."""
+        ``time.perf_counter()`` around the step (``t_end`` defaults to now).
+
+        With async scheduling a step is launched before the previous one lands, so launch
+        to landing spans two engine calls and consecutive steps overlap. ``step_ms`` is
+        therefore counted from the later of ``t_start`` and the previous step's landing:
+        the steps tile the timeline and add up to the wall time in both loops (the full
+        launch-to-landing time is kept as ``in_flight_ms``)."""
         t_end = time.perf_counter() if t_end is None else t_end
         if self.enabled:
             self._record(sched_out, touched, t_start, t_end)
@@ -137,8 +144,11 @@ class MetricsCollector:
             if req.is_finished and rec.finished is None:
                 rec.finished, rec.finish_reason = t_end, req.finish_reason
                 finished += 1
+        start = max(t_start, self._last_end)
+        self._last_end = max(self._last_end, t_end)
         row: dict[str, Any] = {
-            "step": self._num_steps, "t_start_s": t_start - self.t0, "step_ms": (t_end - t_start) * 1e3,
+            "step": self._num_steps, "t_start_s": start - self.t0, "step_ms": max(t_end - start, 0.0) * 1e3,
+            "in_flight_ms": (t_end - t_start) * 1e3,
             "batch_size": len(sched_out.scheduled), "num_decode_reqs": decode_reqs,
             "num_prefill_reqs": len(sched_out.scheduled) - decode_reqs,
             "scheduled_tokens": sched_out.num_batched_tokens, "prefill_tokens": prefill, "decode_tokens": decode,
@@ -160,7 +170,8 @@ class MetricsCollector:
 
     def steps_df(self) -> pd.DataFrame:
         """One row per step: batch size, scheduled / prefill / decode / emitted tokens,
-        step wall time (ms), preemptions, finished requests, queue lengths, KV blocks in
+        step wall time (ms, non-overlapping: they add up to the busy wall time), launch to
+        landing time (``in_flight_ms``, overlapping under async scheduling), preemptions, finished requests, queue lengths, KV blocks in
         use per group (``kv_blocks_<group>``) and the fullest pool's usage fraction."""
         import pandas as pd
 
