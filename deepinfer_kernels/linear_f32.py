@@ -5,9 +5,9 @@ gate_temp) and the ratio-2 compressor's kv / gate projections of a decode step.
 
 Why a kernel: the reference's steps (an upcast copy of x, cuBLAS's float32 GEMM, the
 division) are up to three launches for a product of a few rows and a small weight; here x
-is upcast as it is loaded and the division is the epilogue. The products are exact
-float32 (``input_precision="ieee"``, not TF32) and the division IEEE, so only the order of
-the K-sum differs from cuBLAS.
+is upcast as it is loaded and the division is the epilogue. Products and sums are float32
+on the CUDA cores (not TF32) and the division IEEE, so only the order of the K-sum differs
+from cuBLAS.
 """
 
 from __future__ import annotations
@@ -17,25 +17,28 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import check_device, interpreting
+from ._common import check_device, interpreting, next_pow2
 
 
 @triton.jit(do_not_specialize=["T"])
-def _linear_f32_kernel(x_ptr, w_ptr, out_ptr, T, E, K, stride_x, div,
-                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _linear_f32_kernel(x_ptr, w_ptr, out_ptr, T, N, K, stride_x, div,
+                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # a weight stream: few output columns per program (many programs), products summed on
+    # the CUDA cores (float32 FMAs: a tensor-core dot would round through TF32)
     rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    rmask, cmask = rows < T, cols < E
-    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask, cmask = rows < T, cols < N
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < K
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :],
                     mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-    out = tl.div_rn(acc, tl.full([BLOCK_T, BLOCK_E], div, tl.float32))
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], out, mask=rmask[:, None] & cmask[None, :])
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :], mask=cmask[:, None] & kmask[None, :],
+                    other=0.0)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    out = tl.div_rn(acc, tl.full([BLOCK_T, BLOCK_N], div, tl.float32))
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], out, mask=rmask[:, None] & cmask[None, :])
 
 
 def linear_f32(x: torch.Tensor, w: torch.Tensor, div: float = 1.0) -> torch.Tensor:
@@ -50,10 +53,11 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor, div: float = 1.0) -> torch.Tens
     t, k = x.shape
     e = w.shape[0]
     out = torch.empty(t, e, dtype=torch.float32, device=x.device)
-    block_t, block_e = 16, 16
+    block_t = min(8, next_pow2(t))  # rows per program: x re-read per column block, w per row block
+    block_n = 4 if t <= 8 else 8
     if t:
-        _linear_f32_kernel[(triton.cdiv(e, block_e), triton.cdiv(t, block_t))](
-            x, w, out, t, e, k, x.stride(0), float(div), BLOCK_T=block_t, BLOCK_E=block_e,
+        _linear_f32_kernel[(triton.cdiv(e, block_n), triton.cdiv(t, block_t))](
+            x, w, out, t, e, k, x.stride(0), float(div), BLOCK_T=block_t, BLOCK_N=block_n,
             BLOCK_K=32 if interpreting() else 128, num_warps=4)
     return out
 

@@ -60,6 +60,27 @@ def greedy_check(llm, n_prompts: int, new: int) -> dict:
             "exact": all(a == new for a in agree), "fast_steps_during_check": steps["fast_steps"]}
 
 
+def host_profile(llm, batch: int, new: int, top: int = 30) -> list[dict]:
+    """Python time of one decode generate at ``batch`` (cProfile, after a warm-up): the
+    functions with the most own time, to tell host-bound steps apart from GPU-bound ones."""
+    import cProfile
+    import pstats
+
+    prompts = [token_ids(1000 + i, 32, llm.model_config.vocab_size) for i in range(batch)]
+    sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    sync()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{os.path.relpath(f[0], os.path.dirname(HERE)) if f[0].startswith('/') else f[0]}:{f[1]}"
+                         f"({f[2]})", "calls": v[1], "own_ms_per_step": round(v[2] / new * 1e3, 3),
+             "cum_ms_per_step": round(v[3] / new * 1e3, 3)} for f, v in rows]
+
+
 def run_size(name: str, make_cfg, args) -> dict:
     cfg = make_cfg()
     device = "cpu" if args.tiny else "cuda"
@@ -84,6 +105,8 @@ def run_size(name: str, make_cfg, args) -> dict:
     res["prefill"] = [prefill_speed(llm, costs, args.prefill)]
     if args.profile and torch.cuda.is_available() and not args.tiny:
         res["kernel_profile"] = [kernel_profile(llm, b) for b in args.batches]
+    if args.host_profile:
+        res["host_profile"] = host_profile(llm, max(args.batches), args.new_tokens)
     release(llm)
     del llm, model
     gc.collect()
@@ -117,6 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--sizes", default="v4_mini,v41_mini")
     ap.add_argument("--profile", action="store_true", help="kernels per graphed decode step (CUDA)")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile of one decode generate at the largest batch")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--check-tokens", type=int, default=24)
     ap.add_argument("--prefill", type=int, default=8192)
