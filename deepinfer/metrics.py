@@ -168,6 +168,10 @@ class MetricsCollector:
         """Steps recorded since the last reset (including any dropped from the window)."""
         return self._num_steps
 
+    def last_step(self) -> dict[str, Any] | None:
+        """The newest step's row (as in :meth:`steps_df`), ``None`` before the first step."""
+        return self._steps[-1] if self._steps else None
+
     def steps_df(self) -> pd.DataFrame:
         """One row per step: batch size, scheduled / prefill / decode / emitted tokens,
         step wall time (ms, non-overlapping: they add up to the busy wall time), launch to

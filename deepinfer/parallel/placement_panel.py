@@ -27,6 +27,7 @@ from deepinfer.parallel.eplb_policy import rebalance_experts
 from deepinfer.parallel.placement import ExpertPlacement, imbalance, padded_num_slots, rank_loads
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.workbench.base import Panel, slider
+from deepinfer.workbench.figure_pane import FigurePane
 
 __all__ = ["ExpertPlacementPanel", "placement_frame"]
 
@@ -62,17 +63,22 @@ class ExpertPlacementPanel(Panel):
         self.apply_button = W.Button(description="Apply EP size / redundancy")
         self.status = W.HTML(value="<i>run a workload to record expert load</i>")
         self.table = W.HTML()
-        self.heatmap = go.FigureWidget(go.Heatmap(z=[[0]], colorscale="Viridis", colorbar={"title": "tokens"}),
-                                       layout={"title": "tokens routed to each rank per step", "height": 320,
-                                               "xaxis_title": "step", "yaxis_title": "rank"})
-        self.imbalance_fig = go.FigureWidget(layout={"title": "imbalance (max / mean rank load)", "height": 320,
-                                                     "barmode": "group", "yaxis_title": "max / mean"})
-        self.imbalance_fig.add_scatter(name="measured per run", mode="lines+markers")
-        self.imbalance_fig.add_bar(name="rebalance: before")
-        self.imbalance_fig.add_bar(name="rebalance: after")
-        self.whatif_fig = go.FigureWidget(go.Bar(x=["static (default)", "EPLB"], y=[0, 0]),
-                                          layout={"title": "what-if on the recorded load", "height": 320,
-                                                  "yaxis_title": "max / mean"})
+        # figures drawn through FigurePane (workbench/figure_pane.py says why not FigureWidget);
+        # explicit margins with automargin: axis titles and long bar labels are not clipped
+        margin = {"l": 70, "r": 30, "t": 60, "b": 60}
+        self.heatmap = FigurePane(go.Figure(go.Heatmap(z=[[0]], colorscale="Viridis", colorbar={"title": "tokens"}),
+                                            layout={"title": "tokens routed to each rank per step", "height": 320,
+                                                    "xaxis_title": "step", "yaxis_title": "rank", "margin": margin}))
+        self.imbalance_fig = FigurePane(go.Figure(layout={
+            "title": "imbalance (max / mean rank load)", "height": 340, "barmode": "group", "margin": margin,
+            "yaxis": {"title": "max / mean", "automargin": True}, "xaxis": {"automargin": True},
+            "legend": {"orientation": "h", "y": -0.25}}), width="50%")
+        self.imbalance_fig.figure.add_scatter(name="measured per run", mode="lines+markers")
+        self.imbalance_fig.figure.add_bar(name="rebalance: before")
+        self.imbalance_fig.figure.add_bar(name="rebalance: after")
+        self.whatif_fig = FigurePane(go.Figure(go.Bar(x=["static (default)", "EPLB"], y=[0, 0]), layout={
+            "title": "what-if on the recorded load", "height": 340, "margin": margin,
+            "yaxis": {"title": "max / mean", "automargin": True}, "xaxis": {"automargin": True}}), width="50%")
         self.run_button.on_click(lambda _: self.run_workload())
         self.rebalance_button.on_click(lambda _: self.rebalance())
         self.apply_button.on_click(lambda _: self.apply())
@@ -80,8 +86,8 @@ class ExpertPlacementPanel(Panel):
         self.observe_controls([self.ep_size, self.redundant])
         controls = W.VBox([self.layer, self.ep_size, self.redundant,
                            W.HBox([self.run_button, self.rebalance_button, self.apply_button]), self.status])
-        self.widget = W.VBox([W.HBox([controls, self.table]), self.heatmap,
-                              W.HBox([self.imbalance_fig, self.whatif_fig])])
+        self.widget = W.VBox([W.HBox([controls, self.table]), self.heatmap.widget,
+                              W.HBox([self.imbalance_fig.widget, self.whatif_fig.widget])])
         self._redraw()
 
     # ---- actions -----------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The JupyterLab workbench: ipywidgets panels over plotly FigureWidgets that rerun the
+"""The JupyterLab workbench: ipywidgets panels over plotly figures (FigurePane) that rerun the
 engine when a control changes and update their figures in place.
 
     from deepinfer.workbench import tiny_llm, BatchTuningPanel, TimelineViewer

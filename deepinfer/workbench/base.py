@@ -1,5 +1,5 @@
 """Plumbing shared by the workbench panels: sliders, setting controls from code without
-re-triggering the panel, and notebook display."""
+re-triggering the panel, runs from widget events on a :class:`RunQueue`, and notebook display."""
 
 from __future__ import annotations
 
@@ -8,13 +8,20 @@ from typing import Any
 
 import ipywidgets as W
 
-__all__ = ["Panel", "slider"]
+from deepinfer.workbench.run_queue import RunQueue
+
+__all__ = ["DESCRIPTION_WIDTH", "Panel", "slider"]
+
+#: Wide enough for the longest control name ("max_num_batched_tokens", "merge device ops < us")
+#: in JupyterLab's 13 px UI font: narrower cut names off with an ellipsis.
+DESCRIPTION_WIDTH = "210px"
 
 
 def slider(cls: type, description: str, value: Any, lo: Any, hi: Any, step: Any = 1) -> W.Widget:
     """An Int/FloatSlider that reports only when released (``continuous_update=False``)."""
     return cls(value=value, min=lo, max=hi, step=step, description=description, continuous_update=False,
-               style={"description_width": "170px"}, layout=W.Layout(width="470px"))
+               tooltip=description,
+               style={"description_width": DESCRIPTION_WIDTH}, layout=W.Layout(width="540px"))
 
 
 class Panel:
@@ -22,8 +29,11 @@ class Panel:
 
     widget: W.Widget
 
-    def __init__(self) -> None:
+    def __init__(self, queue: RunQueue | None = None) -> None:
+        """``queue``: where runs started by a control change go (see :class:`RunQueue`);
+        ``None`` runs them inside the widget callback."""
         self._quiet = False  # True while code (not the user) moves controls
+        self.queue = queue
 
     def refresh(self) -> Any:
         """Rerun whatever the panel shows; subclasses implement it."""
@@ -43,8 +53,17 @@ class Panel:
         for w in controls:
             w.observe(self._on_change, names="value")
 
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until runs started from the controls have finished (no-op without a queue)."""
+        if self.queue is not None:
+            self.queue.wait(timeout)
+
     def _on_change(self, change: dict[str, Any]) -> None:
-        if not self._quiet:
+        if self._quiet:
+            return
+        if self.queue is not None:
+            self.queue.submit(self.refresh)
+        else:
             self.refresh()
 
     def _ipython_display_(self) -> None:

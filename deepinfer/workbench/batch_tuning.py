@@ -5,10 +5,15 @@ engine on every change and updating the latency/throughput and step plots in pla
     panel
     panel.run(max_num_seqs=4)          # the same from code; returns the new point's row
     panel.sweep((1, 2, 4, 8))          # one point per max_num_seqs, replacing the curve
+
+A slider move runs on the panel's :class:`~deepinfer.workbench.run_queue.RunQueue` (off
+the kernel's message loop, newest settings only, progress / estimate / cancel);
+``panel.wait()`` blocks until it is done. Every run can be saved to a run store.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -16,10 +21,12 @@ import ipywidgets as W
 import pandas as pd
 from tqdm.auto import tqdm
 
-from deepinfer.profiling.charts import latency_throughput_chart, refresh_figure, steps_figure
+from deepinfer.profiling.charts import latency_throughput_chart, steps_figure
 from deepinfer.profiling.sweep import SweepSpec, measure_workload, set_batch_limits
 from deepinfer.profiling.workload import DEFAULT_WORKLOAD, load_workload, scale_workload
 from deepinfer.workbench.base import Panel, slider
+from deepinfer.workbench.figure_pane import FigurePane
+from deepinfer.workbench.run_queue import RunQueue
 
 if TYPE_CHECKING:
     from deepinfer.llm import LLM
@@ -34,7 +41,7 @@ class BatchTuningPanel(Panel):
 
     def __init__(self, llm: LLM, workload: str = DEFAULT_WORKLOAD, num_requests: int = 8, output_len: int = 8,
                  prompt_scale: float = 1.0, run_on_change: bool = True) -> None:
-        super().__init__()
+        super().__init__(RunQueue("workload run"))
         self.llm = llm
         self.workload = load_workload(workload)
         self.history: list[dict[str, Any]] = []
@@ -49,16 +56,16 @@ class BatchTuningPanel(Panel):
         self.run_button = W.Button(description="Run", button_style="primary")
         self.clear_button = W.Button(description="Clear curve")
         self.status = W.HTML(value="<i>move a slider or press Run</i>")
-        self.curve = latency_throughput_chart(pd.DataFrame(), widget=True)
-        self.steps = steps_figure(pd.DataFrame(), widget=True)
-        self.run_button.on_click(lambda _: self.run())
+        self.curve = FigurePane(latency_throughput_chart(pd.DataFrame()), width="50%")
+        self.steps = FigurePane(steps_figure(pd.DataFrame()), width="50%")
+        self.run_button.on_click(lambda _: self.queue.submit(self.run))
         self.clear_button.on_click(lambda _: self.clear())
         self.latency.observe(lambda _: self._redraw_curve(), names="value")
         if run_on_change:
             self.observe_controls(self.controls)
         self.widget = W.VBox([W.HBox([W.VBox(self.controls + [self.latency]),
                                       W.VBox([self.run_button, self.clear_button, self.status])]),
-                              W.HBox([self.curve, self.steps])])
+                              self.queue.widget, W.HBox([self.curve.widget, self.steps.widget])])
 
     @property
     def controls(self) -> list[W.Widget]:
@@ -73,21 +80,35 @@ class BatchTuningPanel(Panel):
 
     def run(self, **values: Any) -> dict[str, Any]:
         """Run the workload with the current control values (``values`` set controls first,
-        without triggering extra runs) and add the point to the curve."""
+        without triggering extra runs) and add the point to the curve. From code (not the
+        queue's worker) it first waits for runs the controls started."""
+        if threading.current_thread() is not self.queue.thread:
+            self.wait()
         self.set_controls(values)
         set_batch_limits(self.llm, self.max_num_seqs.value, self.max_num_batched_tokens.value)
         reqs = scale_workload(self.workload, self.num_requests.value, prompt_scale=self.prompt_scale.value,
                               output_len=self.output_len.value, max_len=self.llm.config.max_model_len)
         self.status.value = "<i>running...</i>"
+        total = sum(r.output_len for r in reqs)
+        emitted = [0]
+
+        def progress() -> None:  # an engine step hook: the bar, the estimate and Cancel
+            last = self.llm.metrics.last_step()
+            emitted[0] += last["output_tokens"] if last else 0
+            self.queue.check(emitted[0], total)
+
+        self.llm.metrics.step_hooks.append(progress)
         try:
             row = measure_workload(self.llm, reqs, self.max_num_seqs.value,
                                    SweepSpec(num_workload_requests=len(reqs)), seed=len(self.history))
         except Exception as e:
             self.status.value = f"<b>run failed:</b> {type(e).__name__}: {e}"
             raise
+        finally:
+            self.llm.metrics.step_hooks.remove(progress)
         row["prompt_scale"] = self.prompt_scale.value
         self.history.append(row)
-        refresh_figure(self.steps, steps_figure(self.llm.metrics.steps_df()))
+        self.steps.show(steps_figure(self.llm.metrics.steps_df()))
         self._redraw_curve()
         self.status.value = (f"{row['num_finished']}/{row['num_requests']} finished, "
                              f"{row['output_tok_s']:.1f} out tok/s, TTFT {row['mean_ttft_ms']:.1f} ms, "
@@ -110,4 +131,4 @@ class BatchTuningPanel(Panel):
         self._redraw_curve()
 
     def _redraw_curve(self) -> None:
-        refresh_figure(self.curve, latency_throughput_chart(self.df, latency=self.latency.value))
+        self.curve.show(latency_throughput_chart(self.df, latency=self.latency.value))

@@ -10,16 +10,19 @@ merge threshold only redraws.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as W
 import pandas as pd
 
-from deepinfer.profiling.charts import refresh_figure, timeline_figure
+from deepinfer.profiling.charts import timeline_figure
 from deepinfer.profiling.sweep import set_batch_limits
 from deepinfer.profiling.trace import TraceCapture, capture_trace
 from deepinfer.profiling.workload import DEFAULT_WORKLOAD, load_workload, scale_workload, synth_prompts
 from deepinfer.workbench.base import Panel, slider
+from deepinfer.workbench.figure_pane import FigurePane
+from deepinfer.workbench.run_queue import RunQueue
 
 if TYPE_CHECKING:
     from deepinfer.llm import LLM
@@ -34,7 +37,7 @@ class TimelineViewer(Panel):
 
     def __init__(self, llm: LLM, workload: str = DEFAULT_WORKLOAD, num_requests: int = 4, num_steps: int = 3,
                  output_len: int = 6, out_dir: str = "artifacts/traces", capture_now: bool = True) -> None:
-        super().__init__()
+        super().__init__(RunQueue("capture"))
         self.llm, self.out_dir = llm, out_dir
         self.workload = load_workload(workload)
         self.last: TraceCapture | None = None
@@ -48,19 +51,22 @@ class TimelineViewer(Panel):
         self.capture_button = W.Button(description="Capture", button_style="primary")
         self.status = W.HTML(value="<i>press Capture or move a slider</i>")
         self.table = W.HTML()
-        self.figure = timeline_figure(_EMPTY, widget=True)
-        self.capture_button.on_click(lambda _: self.capture())
+        self.figure = FigurePane(timeline_figure(_EMPTY))
+        self.capture_button.on_click(lambda _: self.queue.submit(self.capture))
         self.observe_controls([self.num_requests, self.max_num_batched_tokens, self.num_steps, self.output_len])
         self.merge_us.observe(lambda _: self.redraw(), names="value")
         controls = [self.num_requests, self.max_num_batched_tokens, self.num_steps, self.output_len, self.merge_us]
         self.widget = W.VBox([W.HBox([W.VBox(controls), W.VBox([self.capture_button, self.status])]),
-                              self.figure, self.table])
+                              self.queue.widget, self.figure.widget, self.table])
         if capture_now:
             self.capture()
 
     def capture(self, **values: Any) -> TraceCapture:
         """Trace ``traced steps`` engine steps of a batch of workload requests (one untraced
-        and one warm-up step first) and redraw; ``values`` set controls first."""
+        and one warm-up step first) and redraw; ``values`` set controls first. From code
+        (not the queue's worker) it first waits for captures the controls started."""
+        if threading.current_thread() is not self.queue.thread:
+            self.wait()
         self.set_controls(values)
         set_batch_limits(self.llm, max_num_batched_tokens=self.max_num_batched_tokens.value)
         reqs = scale_workload(self.workload, self.num_requests.value, output_len=self.output_len.value + 2
@@ -69,8 +75,20 @@ class TimelineViewer(Panel):
 
         params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in reqs]
         self.status.value = "<i>capturing...</i>"
-        self.last = capture_trace(self.llm, prompt_token_ids=synth_prompts(reqs, vocab_size=self.llm.model_config.vocab_size), sampling_params=params,
-                                  num_steps=self.num_steps.value, out_dir=self.out_dir, name="timeline-viewer")
+        total = 1 + max(r.output_len for r in reqs)  # about one prefill step, then one step per token
+        steps = [0]
+
+        def progress() -> None:  # an engine step hook: the bar, the estimate and Cancel
+            steps[0] += 1
+            self.queue.check(steps[0], total)
+
+        self.llm.metrics.step_hooks.append(progress)
+        try:
+            self.last = capture_trace(self.llm, prompt_token_ids=synth_prompts(reqs, vocab_size=self.llm.model_config.vocab_size),
+                                      sampling_params=params, num_steps=self.num_steps.value, out_dir=self.out_dir,
+                                      name="timeline-viewer")
+        finally:
+            self.llm.metrics.step_hooks.remove(progress)
         self.redraw()
         return self.last
 
@@ -85,7 +103,7 @@ class TimelineViewer(Panel):
         """Redraw the figure and the step table from the last capture."""
         if self.last is None:
             return
-        refresh_figure(self.figure, timeline_figure(self.events, merge_us=self.merge_us.value))
+        self.figure.show(timeline_figure(self.events, merge_us=self.merge_us.value))
         steps, gaps = self.last.steps, self.last.gaps
         self.table.value = (steps.round(3).to_html(index=False) + "<br>"
                             + gaps.round(3).to_html(index=False))
