@@ -1,6 +1,6 @@
 """DeepSeek-V4.1's model head input in one launch: the last sublayer's mHC expansion
 (``v41_layers.hc_expand``, pending after the last MoE), the collapse of the streams with
-the head's ``pre`` (``hc_collapse``), and the final RMSNorm. The reference takes about
+the head's ``pre`` (``hc_collapse``), and the final RMSNorm (optional). The reference takes about
 sixteen torch ops for it (a loop over the streams in each of the first two).
 
 Math per token (float32, rounded to the activation dtype where the reference stores):
@@ -19,8 +19,8 @@ from ._common import check_device, dtype_code, interpreting, next_pow2, round_to
 
 @triton.jit
 def _collapse_kernel(s_ptr, pre_ptr, w_ptr, out_ptr, o_ptr, post_ptr, comb_ptr, eps,
-                     HC: tl.constexpr, D: tl.constexpr, EXPAND: tl.constexpr, CODE: tl.constexpr,
-                     INTERP: tl.constexpr):
+                     HC: tl.constexpr, D: tl.constexpr, EXPAND: tl.constexpr, NORM: tl.constexpr,
+                     CODE: tl.constexpr, INTERP: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, HC)
     d = tl.arange(0, D)
@@ -33,15 +33,17 @@ def _collapse_kernel(s_ptr, pre_ptr, w_ptr, out_ptr, o_ptr, post_ptr, comb_ptr, 
         o = tl.load(o_ptr + t * D + d).to(tl.float32)
         s = round_to(tl.load(post_ptr + t * HC + ks)[:, None] * o[None, :] + mixed, CODE, INTERP)
     h = round_to(tl.sum(tl.load(pre_ptr + t * HC + ks)[:, None] * s, axis=0), CODE, INTERP)  # [D]
-    inv = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(h * h, axis=0) / D + eps))
-    x = round_to(round_to(h * inv, CODE, INTERP) * tl.load(w_ptr + d), CODE, INTERP)
-    tl.store(out_ptr + t * D + d, x.to(out_ptr.dtype.element_ty))
+    if NORM:
+        inv = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(h * h, axis=0) / D + eps))
+        h = round_to(round_to(h * inv, CODE, INTERP) * tl.load(w_ptr + d), CODE, INTERP)
+    tl.store(out_ptr + t * D + d, h.to(out_ptr.dtype.element_ty))
 
 
-def hc_collapse_norm(streams: torch.Tensor, pre: torch.Tensor, norm: tuple[torch.Tensor, float],
+def hc_collapse_norm(streams: torch.Tensor, pre: torch.Tensor, norm: tuple[torch.Tensor, float] | None,
                      prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """streams [T, hc, D] (bf16/fp32), pre [T, hc] float32, norm = (weight f32 [D], eps),
-    prev = (out [T, D], post [T, hc], comb [T, hc, hc]) to expand first -> normed [T, D]."""
+    """streams [T, hc, D] (bf16/fp32), pre [T, hc] float32, norm = (weight f32 [D], eps) or
+    None (the collapsed hidden a verify step hands the spec runner), prev = (out [T, D],
+    post [T, hc], comb [T, hc, hc]) to expand first -> [T, D]."""
     check_device(streams, pre)
     t, hc, d = streams.shape
     if hc != next_pow2(hc) or d != next_pow2(d):
@@ -50,14 +52,15 @@ def hc_collapse_norm(streams: torch.Tensor, pre: torch.Tensor, norm: tuple[torch
     out = torch.empty(t, d, dtype=streams.dtype, device=streams.device)
     o, post, comb = prev if prev is not None else (s, pre, pre)
     if t:
-        _collapse_kernel[(t,)](s, pre.float().contiguous(), norm[0].float().contiguous(), out, o.contiguous(),
-                               post.float().contiguous(), comb.float().contiguous(), float(norm[1]), HC=hc, D=d,
-                               EXPAND=prev is not None, CODE=dtype_code(streams.dtype), INTERP=interpreting(),
+        w, eps = (norm[0].float().contiguous(), float(norm[1])) if norm is not None else (pre, 0.0)
+        _collapse_kernel[(t,)](s, pre.float().contiguous(), w, out, o.contiguous(), post.float().contiguous(),
+                               comb.float().contiguous(), eps, HC=hc, D=d, EXPAND=prev is not None,
+                               NORM=norm is not None, CODE=dtype_code(streams.dtype), INTERP=interpreting(),
                                num_warps=4)
     return out
 
 
-def hc_collapse_norm_ref(streams: torch.Tensor, pre: torch.Tensor, norm: tuple[torch.Tensor, float],
+def hc_collapse_norm_ref(streams: torch.Tensor, pre: torch.Tensor, norm: tuple[torch.Tensor, float] | None,
                          prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Torch reference of :func:`hc_collapse_norm`: the model's ``hc_expand``,
     ``hc_collapse`` and ``RMSNorm``."""
@@ -68,4 +71,5 @@ def hc_collapse_norm_ref(streams: torch.Tensor, pre: torch.Tensor, norm: tuple[t
 
     if prev is not None:
         streams = hc_expand(prev[0], streams, prev[1], prev[2])
-    return RMSNorm.forward(SimpleNamespace(weight=norm[0], eps=norm[1]), hc_collapse(streams, pre))
+    h = hc_collapse(streams, pre)
+    return h if norm is None else RMSNorm.forward(SimpleNamespace(weight=norm[0], eps=norm[1]), h)

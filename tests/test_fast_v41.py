@@ -115,3 +115,45 @@ def test_replay_free_only_when_every_window_lies_after_the_cut():
     assert replay_free(step((191, 200)), replay, cfg)  # window [160, 191]
     assert not replay_free(step((190, 200)), replay, cfg)  # window [159, 190] reaches below the cut
     assert replay_free(step((170, 200)), ReplayConfig("off", KEEP), cfg) and replay_free(step((170, 200)), None, cfg)
+
+
+@pytest.mark.parametrize("replay,graphs", [("off", "0"), ("compact", "1")])
+def test_v41_verify_rows_on_the_fast_path(ckpt, monkeypatch, replay, graphs):
+    """Speculative verify steps (a token and its DSpark drafts per request) run batched on the
+    compiled decode program, DSpark's target features captured there: greedy output equals
+    the reference path without speculation, and verify steps with drafts really ran there."""
+    import random
+
+    _, ref = _run(ckpt, monkeypatch, "0", replay=replay, tokens=12)
+    monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", graphs)
+    llm = LLM(ckpt, dtype="float32", max_model_len=320, max_num_seqs=8, block_size=16, swa_replay_mode=replay,
+              swa_replay_keep=KEEP, num_speculative_tokens=3, max_num_batched_tokens=64)
+    fast, drafter = llm.runner.fast, llm.runner.spec.drafter
+    rows_per_request: list[int] = []
+    original, propose = fast.forward_streams, drafter.propose
+    known = {tuple(p): o.token_ids for p, o in zip(PROMPTS, ref)}
+    rng = random.Random(3)
+
+    def recorded(so, batch, capture=None):
+        out = original(so, batch, capture)
+        if out is not None:
+            rows_per_request.append(max(r.num_tokens for r in so.scheduled))
+        return out
+
+    def mostly_right(ctx, k):  # random weights accept nothing: a known prefix of varying length
+        out = propose(ctx, k)
+        for r, emitted in zip(ctx.scheduled, ctx.emitted):
+            d, req = out.get(r.req_id), llm.scheduler.requests.get(r.req_id)
+            if d is not None and emitted is not None and req is not None:
+                done, j = r.output_len + len(emitted), rng.randrange(k + 1)
+                d.tokens = (known[tuple(req.prompt_token_ids)][done: done + j] + d.tokens[j:])[: len(d.tokens)]
+        return out
+
+    fast.forward_streams, drafter.propose = recorded, mostly_right
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=sp, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert rows_per_request and max(rows_per_request) > 1, "no verify step with drafts ran on the fast path"
+    assert llm.runner.spec.metrics.effective_tokens_per_step > 1.2
+    assert (fast.stats["graph_steps"] > 0) == (graphs == "1")

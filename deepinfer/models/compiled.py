@@ -30,8 +30,9 @@ def v4_decode_program() -> Any:
 
 
 def v41_decode_program() -> Any:
-    """V4.1's decode forward (fast/v41_forward.py); its verify rows stay on the reference path."""
+    """V4.1's decode forward (fast/v41_forward.py): logits, and the collapsed hidden verify
+    steps use (V4.1's forward returns it where V4's returns streams)."""
     from .fast.runner import DecodeProgram
-    from .fast.v41_forward import decode_logits_v41
+    from .fast.v41_forward import decode_hidden_v41, decode_logits_v41
 
-    return DecodeProgram(decode_logits_v41)
+    return DecodeProgram(decode_logits_v41, decode_hidden_v41)

@@ -17,6 +17,7 @@ import torch
 from deepinfer import batch_invariant
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.sampler import SamplingTensors
+from deepinfer.models.bounded_replay import replay_free
 from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, phase
 
 from .drafter import Draft, DraftContext, Drafter
@@ -128,7 +129,9 @@ class SpecDecoder:
         with phase(PREPARE_INPUTS):
             batch = runner.build_batch(so)
         with phase(MODEL):
-            fast = runner.fast if runner.replay is None and not batch_invariant.enabled() else None
+            # bounded replay changes nothing for rows whose windows start after the cut
+            free = replay_free(so, runner.replay, model.cfg)
+            fast = runner.fast if free and not batch_invariant.enabled() else None
             streams, hidden = forward_capture(model, batch, runner.cache, tuple(self.drafter.target_layers), fast, so)
         picks = [i for i, r in enumerate(so.scheduled) if r.needs_sample]
         valid = [r.num_tokens - r.num_draft_tokens for r in so.scheduled]

@@ -16,13 +16,13 @@ from deepinfer_kernels.hc_collapse import hc_collapse_norm, hc_collapse_norm_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("expand", [False, True])
-def test_hc_collapse_norm(fresh_seed: int, dtype: torch.dtype, expand: bool) -> None:
+@pytest.mark.parametrize("expand,normed", [(False, True), (True, True), (True, False)])
+def test_hc_collapse_norm(fresh_seed: int, dtype: torch.dtype, expand: bool, normed: bool) -> None:
     g = gen(fresh_seed)
     t, hc, d = 6, 4, 64
     streams = torch.randn(t, hc, d, generator=g).to(dtype).to(DEVICE)
     pre = torch.rand(t, hc, generator=g).to(DEVICE)
-    norm = ((torch.rand(d, generator=g) + 0.5).to(DEVICE), 1e-6)
+    norm = ((torch.rand(d, generator=g) + 0.5).to(DEVICE), 1e-6) if normed else None
     prev = None
     if expand:
         prev = (torch.randn(t, d, generator=g).to(dtype).to(DEVICE), torch.rand(t, hc, generator=g).to(DEVICE),

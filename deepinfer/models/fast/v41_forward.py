@@ -72,6 +72,14 @@ def decode_layers_v41(model: Any, batch: ForwardBatch, cache: KVCache,
     return streams, pre, prev
 
 
+def decode_hidden_v41(model: Any, batch: ForwardBatch, cache: KVCache,
+                      capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """The collapsed final hidden [R, hidden] (``DeepseekV41Model.forward``'s contract: a
+    verify step's spec runner takes its logits and drafts from it)."""
+    streams, pre, prev = decode_layers_v41(model, batch, cache, capture)
+    return batch.decode.ops.hc_collapse_norm(streams, pre, None, prev)
+
+
 def decode_logits_v41(model: Any, batch: ForwardBatch, cache: KVCache,
                       capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """Float32 logits [R, V] of every row of a decode batch."""
