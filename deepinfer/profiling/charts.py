@@ -95,9 +95,13 @@ def steps_figure(steps: pd.DataFrame, widget: bool = False) -> go.Figure:
         go.Scatter(x=x, y=steps.get("step_ms", []), name="step ms", yaxis="y2", mode="lines+markers",
                    line={"color": "#2ca02c"}),
     ])
-    fig.update_layout(title="Engine steps", barmode="stack", template="plotly_white", height=360,
-                      xaxis_title="step", yaxis_title="scheduled tokens",
-                      yaxis2={"title": "step ms", "overlaying": "y", "side": "right", "rangemode": "tozero"},
+    # the right axis needs its own margin (automargin): clipped, its line reads against the token axis
+    fig.update_layout(title="Engine steps", barmode="stack", template="plotly_white", height=380,
+                      xaxis_title="step", yaxis={"title": "scheduled tokens", "automargin": True},
+                      yaxis2={"title": "step ms", "overlaying": "y", "side": "right", "rangemode": "tozero",
+                              "automargin": True, "showgrid": False, "title_font": {"color": "#2ca02c"},
+                              "tickfont": {"color": "#2ca02c"}},
+                      margin={"l": 70, "r": 70, "t": 80, "b": 50},
                       legend={"orientation": "h", "x": 0, "y": 1.02, "yanchor": "bottom"})
     return _make(fig, widget)
 

@@ -19,7 +19,7 @@ draws it whenever the view appears, and a saved notebook holds only the figure's
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,7 +29,7 @@ import plotly.io as pio
 
 from deepinfer.profiling.charts import refresh_figure
 
-__all__ = ["FigurePane", "PLOTLY_MIME", "figure_output"]
+__all__ = ["FigureChoice", "FigurePane", "PLOTLY_MIME", "figure_output"]
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
@@ -79,6 +79,32 @@ class FigurePane:
     def render(self) -> None:
         """Send the current figure to the browser (replacing the previous drawing)."""
         self.widget.outputs = (figure_output(self.figure),)
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+
+class FigureChoice:
+    """A control picking which figure a :class:`FigurePane` shows: ``build(option)`` makes
+    the figure for the chosen option (toggle buttons, or a dropdown with ``dropdown=True``).
+
+        choice = FigureChoice(["ttft_s", "tpot_s"], lambda col: go.Figure(go.Bar(y=df[col])))
+        choice                        # displays the control above the figure
+    """
+
+    def __init__(self, options: list[str], build: Callable[[str], go.Figure], description: str = "",
+                 value: str | None = None, dropdown: bool = False) -> None:
+        if not options:
+            raise ValueError("FigureChoice needs at least one option")
+        cls = W.Dropdown if dropdown else W.ToggleButtons
+        self.build = build
+        self.control = cls(options=list(options), value=value if value is not None else options[0],
+                           description=description, style={"description_width": "initial"})
+        self.pane = FigurePane(build(self.control.value))
+        self.control.observe(lambda change: self.pane.show(self.build(change["new"])), names="value")
+        self.widget = W.VBox([self.control, self.pane.widget])
 
     def _ipython_display_(self) -> None:
         from IPython.display import display

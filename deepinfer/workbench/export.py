@@ -1,0 +1,52 @@
+"""Figure export that works on an offline cluster: PNG / SVG through kaleido driving the
+system's (Debian's) chromium, and standalone HTML with plotly.js embedded (no CDN).
+
+kaleido 1.x renders in a headless Chrome/Chromium it finds on ``PATH`` (or at
+``BROWSER_PATH``); it is never asked to download one here, so a machine without a browser
+gets a clear error naming the fix instead of a network call.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import plotly.graph_objects as go
+
+__all__ = ["FORMATS", "chromium_path", "export_figure"]
+
+FORMATS = ("png", "svg", "html")
+
+
+def chromium_path() -> str | None:
+    """``BROWSER_PATH`` if set, else the first chromium / chrome on ``PATH``."""
+    if os.environ.get("BROWSER_PATH"):
+        return os.environ["BROWSER_PATH"]
+    for name in ("chromium", "chromium-browser", "google-chrome", "chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def export_figure(fig: go.Figure, path: str | os.PathLike[str], width: int | None = None, height: int | None = None,
+                  scale: float = 2.0) -> Path:
+    """Write ``fig`` to ``path``; the suffix picks the format (``.png``, ``.svg``, ``.html``).
+    Images use the figure's size unless ``width`` / ``height`` are given; ``scale`` sharpens PNGs."""
+    out = Path(path)
+    fmt = out.suffix.lstrip(".").lower()
+    if fmt not in FORMATS:
+        raise ValueError(f"path suffix .{fmt}: must be one of {', '.join('.' + f for f in FORMATS)}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "html":
+        fig.write_html(out, include_plotlyjs=True, full_html=True)  # plotly.js inline: opens offline
+        return out
+    browser = chromium_path()
+    if browser is None:
+        raise RuntimeError("PNG / SVG export needs a chromium: `apt-get install chromium` (Debian) or set "
+                           "BROWSER_PATH; HTML export needs nothing")
+    os.environ.setdefault("BROWSER_PATH", browser)  # kaleido's browser lookup reads it
+    fig.write_image(out, format=fmt, width=width or fig.layout.width or 900, height=height or fig.layout.height or 500,
+                    scale=scale if fmt == "png" else 1)
+    return out
