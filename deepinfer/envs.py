@@ -153,7 +153,7 @@ _DECLARED: tuple[EnvVar, ...] = (
     # ---- speculative decoding ----
     EnvVar("DEEPINFER_SPEC_STEP_CURVE", "path", _path, None,
            "path: a spec_step_curve_*.json file or a directory of them for the confidence-scheduled verify "
-           "budget (default profiling/results; 'profile' = always profile at start-up)"),
+           "budget (default unset = profile at start-up; the engine never reads profiling/results itself)"),
     # ---- parallel engine (REFERENCE names DeepInfer's EPLB knobs, not their variables) ----
     EnvVar("DEEPINFER_EPLB_NUM_REDUNDANT_EXPERTS", "int", _int(0), 0,
            "int >= 0: redundant expert slots per MoE layer (padded so routed + redundant divides by the EP "

@@ -107,3 +107,17 @@ def test_profiling_script_writes_a_curve_this_engine_finds(tmp_path):
     out.rename(tmp_path / "spec_step_curve_cpu_tiny.json")
     found = find_measured_curve(hardware_key(torch.device("cpu")), sig, tmp_path)
     assert found is not None and found[0].tokens == [1, 2, 4]
+
+
+def test_engine_never_reads_result_files_unless_configured(ckpt, monkeypatch):
+    """Without DEEPINFER_SPEC_STEP_CURVE the curve is measured at start-up: the engine does not
+    look for files (profiling/results holds records of past runs, not inputs)."""
+    import deepinfer.spec.step_curve as step_curve
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError(f"the engine looked for a curve file: {args}")
+
+    monkeypatch.delenv(ENV_CURVE, raising=False)
+    monkeypatch.setattr(step_curve, "find_measured_curve", tripwire)
+    llm = make_llm(ckpt, num_speculative_tokens=3, enable_mtp_varlen=True, max_num_seqs=4)
+    assert llm.runner.spec.curve_source == "profiled"

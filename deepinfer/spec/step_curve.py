@@ -3,13 +3,15 @@
 In order (`curve_for_engine`, called by `deepinfer.spec.setup` when
 ``enable_mtp_varlen`` is on):
 
-1. a measured curve: ``profiling/results/spec_step_curve_*.json`` (written by
-   ``profiling/spec_step_curve.py``) whose ``hardware`` and ``model_signature`` match this
-   engine (``DEEPINFER_SPEC_STEP_CURVE`` = a file or directory overrides where to look,
-   ``profile`` skips the files);
-2. else a curve profiled at start-up: a few verify-shaped steps of the model (forward +
-   logits + sampler) at total sizes 1, 2, 4, ... up to the largest step the engine can
-   plan, timed with host clocks after a device sync;
+1. a measured curve given as configuration: ``DEEPINFER_SPEC_STEP_CURVE`` = a
+   ``spec_step_curve_*.json`` file or a directory of them (``profiling/spec_step_curve.py``
+   writes them), used when its ``hardware`` and ``model_signature`` match this engine. The
+   engine never looks in ``profiling/results`` by itself: results are records of past runs
+   (another commit, another machine), not inputs, so an engine's behaviour does not change
+   when someone commits a result file;
+2. else (unset, ``profile``, or no match) a curve profiled at start-up: a few verify-shaped
+   steps of the model (forward + logits + sampler) at total sizes 1, 2, 4, ... up to the
+   largest step the engine can plan, timed with host clocks after a device sync;
 3. either way wrapped in `OnlineStepTimeCurve`, which replaces a size's value by the
    running median of the verify steps the engine actually ran at that size, and scales
    sizes not seen yet by the median ratio observed / predicted (REFERENCE.md section 8).
@@ -37,7 +39,6 @@ from deepinfer import envs
 from .scheduling import StepTimeCurve
 
 ENV_CURVE = "DEEPINFER_SPEC_STEP_CURVE"  # declared in deepinfer/envs.py
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "profiling" / "results"
 SIGNATURE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
                   "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "vocab_size")
 
@@ -63,11 +64,11 @@ def curve_record(llm, rows: list[dict]) -> dict:
             "rows": rows}
 
 
-def find_measured_curve(hardware: str, signature: dict, where: str | os.PathLike | None = None
+def find_measured_curve(hardware: str, signature: dict, where: str | os.PathLike
                         ) -> tuple[StepTimeCurve, str] | None:
-    """The newest matching ``spec_step_curve_*.json`` under ``where`` (a file or directory;
-    default profiling/results), as (curve, path); None when none matches."""
-    where = Path(where or RESULTS_DIR)
+    """The newest matching ``spec_step_curve_*.json`` under ``where`` (a file or directory),
+    as (curve, path); None when none matches."""
+    where = Path(where)
     paths = [where] if where.is_file() else sorted(map(Path, glob.glob(str(where / "spec_step_curve_*.json"))),
                                                    key=lambda p: p.stat().st_mtime, reverse=True)
     for path in paths:
@@ -168,7 +169,7 @@ def curve_for_engine(llm) -> tuple[OnlineStepTimeCurve, str]:
     """(the curve the confidence scheduler uses, where its base came from: ``measured:<path>``
     or ``profiled``); see the module docstring."""
     where = envs.get(ENV_CURVE)
-    if where != "profile":
+    if where is not None and where != "profile":
         found = find_measured_curve(hardware_key(llm.device), model_signature(llm.model_config, llm.model.dtype),
                                     where)
         if found is not None:
