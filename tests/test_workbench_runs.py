@@ -136,3 +136,18 @@ def test_export_png_svg_through_chromium_and_html_with_plotly_js(tmp_path) -> No
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     svg = export_figure(fig, tmp_path / "f.svg").read_text()
     assert svg.startswith("<svg") and "export" in svg
+
+
+def test_every_panel_run_is_saved_with_its_settings(tiny_llm, tmp_path) -> None:
+    from deepinfer.workbench import BatchTuningPanel
+
+    store = RunStore(tmp_path)
+    panel = BatchTuningPanel(tiny_llm, num_requests=3, output_len=3, store=store)
+    panel.run(max_num_seqs=1)
+    panel.run(max_num_seqs=4)
+    a, b = (store.load(r["run_id"]) for r in panel.history)
+    assert a.kind == "panel" and a.name.startswith("max_num_seqs=1") and b.name.startswith("max_num_seqs=4")
+    assert a.meta["engine_config"]["max_num_seqs"] == 1 and b.meta["engine_config"]["max_num_seqs"] == 4
+    assert a.workload["num_requests"] == 3 and a.workload["file"].endswith(".jsonl")
+    assert a.summary["output_tok_per_s"] == pytest.approx(panel.history[0]["output_tok_s"])
+    assert len(a.tables["requests"]) == 3 and a.tables["steps"]["output_tokens"].sum() == 9

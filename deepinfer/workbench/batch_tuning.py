@@ -27,6 +27,7 @@ from deepinfer.profiling.workload import DEFAULT_WORKLOAD, load_workload, scale_
 from deepinfer.workbench.base import Panel, slider
 from deepinfer.workbench.figure_pane import FigurePane
 from deepinfer.workbench.run_queue import RunQueue
+from deepinfer.workbench.run_store import RunStore
 
 if TYPE_CHECKING:
     from deepinfer.llm import LLM
@@ -40,9 +41,11 @@ class BatchTuningPanel(Panel):
     """Controls -> closed-loop workload run on ``llm`` -> one more latency/throughput point."""
 
     def __init__(self, llm: LLM, workload: str = DEFAULT_WORKLOAD, num_requests: int = 8, output_len: int = 8,
-                 prompt_scale: float = 1.0, run_on_change: bool = True) -> None:
+                 prompt_scale: float = 1.0, run_on_change: bool = True, store: RunStore | None = None) -> None:
+        """``store``: every run is saved there (metadata, workload, the engine's request /
+        step / ITL tables; ``history`` rows get its ``run_id``)."""
         super().__init__(RunQueue("workload run"))
-        self.llm = llm
+        self.llm, self.store, self.workload_name = llm, store, workload
         self.workload = load_workload(workload)
         self.history: list[dict[str, Any]] = []
         cfg, slots = llm.config, llm.kv_manager.max_num_seqs
@@ -107,6 +110,13 @@ class BatchTuningPanel(Panel):
         finally:
             self.llm.metrics.step_hooks.remove(progress)
         row["prompt_scale"] = self.prompt_scale.value
+        if self.store is not None:
+            settings = {k: row[k] for k in ("max_num_seqs", "max_num_batched_tokens", "num_requests")}
+            saved = self.store.save_llm(self.llm, "panel", " ".join(f"{k}={v}" for k, v in settings.items()),
+                                        workload={"file": self.workload_name, "num_requests": len(reqs),
+                                                  "output_len": self.output_len.value,
+                                                  "prompt_scale": self.prompt_scale.value}, point=row)
+            row["run_id"] = saved.id
         self.history.append(row)
         self.steps.show(steps_figure(self.llm.metrics.steps_df()))
         self._redraw_curve()
