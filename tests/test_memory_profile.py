@@ -8,7 +8,7 @@ import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.kv_sizing import device_kv_budget
-from deepinfer.engine.memory_profile import GRAPH_RESERVE_BYTES, profile_step_peak_bytes, worst_case_step
+from deepinfer.engine.memory_profile import profile_step_peak_bytes, worst_case_step
 from deepinfer.models.tiny import init_random, tiny_config
 
 GIB = 1 << 30
@@ -37,6 +37,6 @@ def test_worst_case_step_runs_on_the_engines_prefill_path(monkeypatch, fast_pref
 def test_device_budget_subtracts_the_measured_peak() -> None:
     total, free = 140 * GIB, 100 * GIB  # 40 GiB of weights / other processes
     budget = int(total * 0.9) - 40 * GIB
-    assert device_kv_budget(total, free, 0.9, 6 * GIB) == budget - 6 * GIB - GRAPH_RESERVE_BYTES
+    assert device_kv_budget(total, free, 0.9, 6 * GIB) == budget - 6 * GIB  # profiled step + graphs
     assert device_kv_budget(total, free, 0.9, None) == budget - max(GIB, budget // 10)  # unprofiled: headroom
     assert device_kv_budget(total, free, 0.3, 6 * GIB) == 0  # nothing left: never negative

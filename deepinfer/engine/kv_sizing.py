@@ -14,16 +14,14 @@ from deepinfer.platform import platform_for_device
 
 def device_kv_budget(total: int, free: int, gpu_memory_utilization: float, step_peak_bytes: int | None) -> int:
     """Bytes of a device's memory the KV cache may take: ``gpu_memory_utilization`` of it,
-    less what is already allocated (weights, other processes), less the measured peak of a
-    worst-case step (deepinfer/engine/memory_profile.py) and the CUDA graphs' reserve.
-    Without a measurement (a platform with no allocator statistics): 10% of what is left,
-    at least 1 GiB, as headroom."""
-    from deepinfer.engine.memory_profile import GRAPH_RESERVE_BYTES
-
+    less what is already allocated (weights, other processes), less the profiled bytes of a
+    worst-case step and the decode CUDA graphs (``MemoryProfile.total``,
+    deepinfer/engine/memory_profile.py). Without a measurement (a platform with no
+    allocator statistics): 10% of what is left, at least 1 GiB, as headroom."""
     budget = int(total * gpu_memory_utilization) - (total - free)
     if step_peak_bytes is None:
         return max(0, budget - max(1 << 30, budget // 10))
-    return max(0, budget - step_peak_bytes - GRAPH_RESERVE_BYTES)
+    return max(0, budget - step_peak_bytes)
 
 
 def kv_budget_bytes(config: EngineConfig, device: torch.device, weights_bytes: int,
@@ -38,7 +36,7 @@ def num_kv_blocks(config: EngineConfig, model_cfg: DeepseekConfigBase, dtype: to
                   max_model_len: int, weights_bytes: int = 0, step_peak_bytes: int | None = None) -> dict[str, int]:
     """Blocks per group (every group gets the same count: each logical token block of a
     request takes one block in every group it is held in). ``step_peak_bytes``: the
-    profiled activation peak of a worst-case step (device budgets only)."""
+    profiled bytes of a worst-case step and the decode graphs (device budgets only)."""
     family = family_of(model_cfg)
     groups = family.kv_group_names(model_cfg)
     if config.num_kv_blocks is not None:

@@ -6,8 +6,15 @@ The step is the largest the scheduler can issue: one fresh request of
 engine will use (the fast path on NVIDIA), over a throwaway cache just big enough for
 it, then the float32 logits and log-softmax of ``max_num_seqs`` rows (the sampler's
 widest temporaries). ``torch.cuda.max_memory_allocated`` above the level before the step
-is the activation peak (it includes the throwaway cache, so it errs on the safe side); :func:`deepinfer.engine.kv_sizing.kv_budget_bytes` subtracts it
-(plus :data:`GRAPH_RESERVE_BYTES` for the decode CUDA graphs' pool) from
+is the activation peak (it includes the throwaway cache, so it errs on the safe side).
+
+The decode CUDA graphs the engine captures at start (models/fast/decode_graphs.py) are
+measured the same way before the cache exists: the largest shape the limits allow is
+captured over a one-block throwaway cache, its private pool and per-row outputs measured,
+and the whole set bounded from them (:meth:`GraphMemory.bound`; the warm-up later records
+what the set really took, ``FastPath.graph_bytes``). :func:`profile_step_peak_bytes`
+returns the larger of the two transient peaks plus the graphs' bytes, and
+:func:`deepinfer.engine.kv_sizing.kv_budget_bytes` subtracts it from
 ``gpu_memory_utilization`` of the device before handing the rest to the KV cache.
 
 Hosts without a device allocator to ask (CPU) return None: there the cache is sized from
@@ -16,23 +23,46 @@ Hosts without a device allocator to ask (CPU) return None: there the cache is si
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from deepinfer.config import EngineConfig
+from deepinfer.models.fast.decode_graphs import GraphMemory
 from deepinfer.models.kv_cache import ForwardBatch, SeqMeta
 from deepinfer.models.registry import family_of
 
-#: Kept free for the decode CUDA graphs' memory pool (captured after the cache exists) and
-#: allocator fragmentation. Not measured: a margin over the largest graph's logits
-#: (256 rows x 129,280 float32 = 132 MB) plus its activations.
-GRAPH_RESERVE_BYTES = 512 << 20
+#: Kept free for decode CUDA graphs captured on first use (``DEEPINFER_CUDA_GRAPH_WARMUP=0``,
+#: speculative decoding's verify graphs), which no profile run can size. Not measured: a
+#: margin over the largest graph's logits (256 rows x 129,280 float32 = 132 MB) plus its
+#: activations.
+LAZY_GRAPH_RESERVE_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What the KV budget keeps free besides the weights: ``step_peak_bytes`` (the worst
+    step's activation peak), ``graph_bytes`` (the decode graph set, bounded from ``graph``,
+    the probe's measurement; or the lazy reserve; 0 without graphs)."""
+
+    step_peak_bytes: int
+    graph_bytes: int
+    graph: GraphMemory | None = None
+
+    @property
+    def total(self) -> int:
+        """Bytes to keep free: the larger transient peak (the eager prefill step, or the
+        probe's eager decode step; both in the regular allocator) plus the graphs' pool."""
+        eager = self.graph.eager_peak_bytes if self.graph is not None else None
+        return max(self.step_peak_bytes, eager or 0) + self.graph_bytes
 
 
 @torch.no_grad()
-def profile_step_peak_bytes(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> int | None:
-    """Peak bytes a worst-case step allocates beyond what is allocated now (CUDA), or None."""
+def profile_memory(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> MemoryProfile | None:
+    """The worst-case step's peak and the decode graphs' bytes on ``device`` (CUDA), or None."""
     if device.type != "cuda":
         return None
+    graph, graph_bytes = decode_graph_memory(model, config, device)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -41,7 +71,37 @@ def profile_step_peak_bytes(model: torch.nn.Module, config: EngineConfig, device
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     torch.cuda.empty_cache()
-    return int(peak)
+    return MemoryProfile(int(peak), graph_bytes, graph)
+
+
+def profile_step_peak_bytes(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> int | None:
+    """Bytes a worst-case step and the decode graphs take beyond what is allocated now
+    (:attr:`MemoryProfile.total`; CUDA), or None."""
+    prof = profile_memory(model, config, device)
+    return None if prof is None else prof.total
+
+
+@torch.no_grad()
+def decode_graph_memory(model: torch.nn.Module, config: EngineConfig,
+                        device: torch.device) -> tuple[GraphMemory | None, int]:
+    """(the probe's measurement, bytes to keep for the engine's decode graph set). The
+    engine warms up every shape of ``FastPath.warmup_shapes`` unless graphs are off, the
+    family has no compiled decode, or batch-invariant / speculative decoding keeps the
+    warm-up off (then shapes captured on first use get :data:`LAZY_GRAPH_RESERVE_BYTES`).
+    The probe runs on a one-block cache: the warm-up's dummy steps read block 0 only."""
+    family = family_of(model.cfg)
+    if family.decode_executor is None or config.batch_invariant:
+        return None, 0
+    groups = family.kv_group_names(model.cfg)
+    cache = family.new_kv_cache(model.cfg, dict.fromkeys(groups, 1), config.block_size, 1, model.dtype, device)
+    fast = family.decode_executor(model, cache)
+    if fast is None or not fast.graphs_enabled:
+        return None, 0
+    if config.num_speculative_tokens > 0 or not fast.warms_up():
+        return None, LAZY_GRAPH_RESERVE_BYTES if device.type == "cuda" else 0
+    shapes = fast.warmup_shapes(config.max_num_seqs, config.max_model_len, config.block_size)
+    mem = fast.probe_graph_memory(shapes[0])
+    return mem, mem.bound(shapes)
 
 
 @torch.no_grad()

@@ -18,15 +18,15 @@ row groups | every group's block table as contiguous views (:class:`StepInputs`)
 costs one pinned host -> device copy plus the device copy of its token ids (async
 scheduling fills those on the device), and nothing is rebuilt inside the graph.
 
-CUDA graphs: one graph per (batch bucket 1, 2, 4, ..., max_graph_batch; table width), all
-in one memory pool. :meth:`FastPath.warmup` (at engine start) captures every shape the
-engine's limits allow, the largest first so that the smaller graphs reuse the pool the
-largest allocated, on dummy steps that write only block 0 / state slot 0 at position 0
-(overwritten or reset before any request reads them); a shape still missing is captured
-the first time a pure-decode step of it runs (after an eager warm-up of the same step,
-which is harmless: every decode write is idempotent). Rows past the real batch repeat
-row 0 (same request, same slot, same position), so they write exactly what row 0 writes
-and need no dummy block or slot.
+CUDA graphs (fast/decode_graphs.py): one graph per (rows bucket 1, 2, 4, ..., 256; table
+width class: a power of two of blocks), all in one memory pool. :meth:`FastPath.warmup` (at
+engine start) captures every shape the engine's limits allow, the largest first so that the
+smaller graphs reuse the pool the largest allocated, on dummy steps that write only block 0 /
+state slot 0 at position 0 (overwritten or reset before any request reads them), then seals
+the set: nothing is captured while serving (a step of a shape outside it runs eagerly and is
+counted). A step runs at its own width class, so its kernels iterate only the blocks its
+longest table can have. Rows past the real batch repeat row 0 (same request, same slot, same
+position), so they write exactly what row 0 writes and need no dummy block or slot.
 A graph computes the logits of every row; the runner reads the first R. It also reduces
 them to each row's argmax and log-sum-exp (:attr:`FastPath.reduced`), so an all-greedy
 step samples without a launch of its own (the runner's greedy lane).
@@ -45,9 +45,10 @@ from deepinfer.engine.transfer import copy_to_device
 
 from ..kv_cache import ForwardBatch
 from .decode import DecodeMeta, kernel_ops
+from .decode_graphs import BUCKETS, DecodeGraphs, GraphMemory, graph_shapes, reserved_bytes, rows_bucket
+from .decode_graphs import tensors_of, width_class
 from .moe import supported as moe_supported
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: Most tokens of one request a step may feed on this path (a token + up to 7 drafts).
 MAX_ROWS = 8
 
@@ -70,10 +71,6 @@ def decode_program(model: Any) -> DecodeProgram | None:
 
     load = family_of(model.cfg).decode_program
     return load() if load is not None else None
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclass
@@ -120,15 +117,28 @@ class FastPath:
         self.graphs_enabled = graphs
         self.max_graph_batch = BUCKETS[-1]
         self._inputs: dict[tuple[int, int], StepInputs] = {}  # persistent per graph shape
-        self._graphs: dict[tuple, tuple[Any, Any]] = {}  # key -> (graph, its static outputs)
-        self._pool = None
-        self.stats = {"fast_steps": 0, "graph_steps": 0, "captures": 0}
+        self.graphs = DecodeGraphs(self.device)  # captured (or emulated) graphs, one pool
+        self._counts = {"fast_steps": 0, "graph_steps": 0, "eager_steps": 0}
+        #: device bytes the warm-up's graph set took (pool + input buffers; None: not measured)
+        self.graph_bytes: int | None = None
         #: the last graphed step's per-row reductions of its logits (views of the graph's
         #: outputs, valid until the next replay): packed [R, 2] int64 (argmax, its log-prob's
         #: float32 bits), logsumexp [R], argmax [R], argmax log-prob [R], state slots [R]
         self.reduced: GraphReductions | None = None
         self.warmed: list[tuple[int, int]] = []  # shapes :meth:`warmup` ran, in order
         self._moe_checked: tuple[tuple, bool] = ((), False)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Step counts: fast_steps, graph_steps, eager_steps (graphs on, but more rows than the
+        largest bucket or a request that does not sample), captures, uncaptured_steps (a shape
+        outside the sealed set: run eagerly)."""
+        return {**self._counts, **self.graphs.stats}
+
+    @property
+    def _graphs(self) -> dict[tuple, tuple[Any, Any]]:
+        """key -> (CUDA graph, its static outputs) (profiling scripts replay / clear them)."""
+        return self.graphs._entries
 
     @classmethod
     def create(cls, model: Any, cache: Any) -> FastPath | None:
@@ -170,9 +180,20 @@ class FastPath:
             self._moe_checked = (ffns, all(moe_supported(layer.ffn) for layer in self.model.layers))
         return self._moe_checked[1]
 
-    def _graphed(self, so: Any, n_rows: int) -> bool:
-        return (self.graphs_enabled and n_rows <= self.max_graph_batch
-                and all(r.needs_sample for r in so.scheduled))
+    def _graphed(self, so: Any, n_rows: int, width: int) -> bool:
+        """The step replays a graph: graphs on, every request samples, and its shape is in the
+        set (once sealed; before that a missing shape is captured on first use). A step of
+        graphs-on CUDA that cannot is counted (``eager_steps`` / ``uncaptured_steps``)."""
+        if not self.graphs_enabled:
+            return False
+        bucket = rows_bucket(n_rows)
+        if bucket is None or bucket > self.max_graph_batch or not all(r.needs_sample for r in so.scheduled):
+            self._counts["eager_steps"] += 1
+            return False
+        if self.graphs.sealed and not self.graphs.has((bucket, width)):
+            self.graphs.stats["uncaptured_steps"] += 1
+            return False
+        return True
 
     def _host_inputs(self, so: Any, width: int, rows: int) -> np.ndarray:
         """The flat int32 layout of :class:`StepInputs` on the host; rows past the batch repeat row 0
@@ -201,8 +222,8 @@ class FastPath:
         return np.concatenate([head, tables.ravel()])
 
     def _width(self, so: Any) -> int:
-        need = max(len(r.block_table[g]) for r in so.scheduled for g in self.groups)
-        return _next_pow2(max(need, 1))
+        """The step's table width class: its longest table's blocks, to a power of two."""
+        return width_class(max(len(r.block_table[g]) for r in so.scheduled for g in self.groups))
 
     def prepare(self, so: Any, batch: ForwardBatch, eager: bool = False) -> DecodeMeta | None:
         """Fill the step's device inputs (None unless :meth:`_decode_like`). Graphed steps use
@@ -210,15 +231,15 @@ class FastPath:
         if not self._decode_like(so):
             return None
         n, width = batch.num_tokens, self._width(so)
-        graphed = not eager and self._graphed(so, n)
-        rows = next(b for b in BUCKETS if b >= n) if graphed else n
+        graphed = not eager and self._graphed(so, n, width)
+        rows = rows_bucket(n) if graphed else n
         inputs = (self._graph_inputs(rows, width) if graphed
                   else StepInputs.allocate(rows, width, self.groups, self.device))
         copy_to_device(inputs.flat, self._host_inputs(so, width, rows))  # staged: never waits for the stream
         inputs.ids[:n].copy_(batch.input_ids)  # async scheduling gathers placeholders on the device
         if rows > n:
             inputs.ids[n:].copy_(inputs.ids[:1].expand(rows - n))
-        self.stats["fast_steps"] += 1
+        self._counts["fast_steps"] += 1
         return self._meta(inputs, width, graphed, n)
 
     def _graph_inputs(self, rows: int, width: int) -> StepInputs:
@@ -235,33 +256,78 @@ class FastPath:
     # ---- warm-up -----------------------------------------------------------------------
     @staticmethod
     def warmup_shapes(max_num_seqs: int, max_model_len: int, block_size: int) -> list[tuple[int, int]]:
-        """Every (rows bucket, table width) a plain decode step can take under these limits,
-        largest first: buckets up to the first one holding ``max_num_seqs`` rows, widths
-        (powers of two) up to the blocks of a ``max_model_len`` context."""
-        rows = [b for b in BUCKETS if b < max_num_seqs] + [next((b for b in BUCKETS if b >= max_num_seqs),
-                                                                BUCKETS[-1])]
-        widest = _next_pow2(-(-(max_model_len + 1) // block_size))
-        widths = [1 << i for i in range(widest.bit_length())]
-        return sorted({(r, w) for r in rows for w in widths}, key=lambda rw: (-rw[0], -rw[1]))
+        """Every (rows bucket, table width class) a plain decode step can take under these
+        limits, largest first (:func:`decode_graphs.graph_shapes`)."""
+        return graph_shapes(max_num_seqs, max_model_len, block_size)
 
-    def warmup(self, max_num_seqs: int, max_model_len: int, block_size: int) -> int:
-        """Capture the decode graphs of :meth:`warmup_shapes` (CUDA with graphs on, unless
-        ``DEEPINFER_CUDA_GRAPH_WARMUP=0``; ``=1`` also runs the same dummy steps eagerly on a
-        host cache with emulated graphs: tests); returns how many ran."""
+    @staticmethod
+    def warmup_mode() -> str:
+        """``DEEPINFER_CUDA_GRAPH_WARMUP``: auto (CUDA), 0 (capture on first use), 1 (also emulated)."""
         mode = os.environ.get("DEEPINFER_CUDA_GRAPH_WARMUP", "auto").lower()
         if mode not in ("auto", "0", "1"):
             from deepinfer.errors import ConfigError
-            raise ConfigError(f"DEEPINFER_CUDA_GRAPH_WARMUP={mode!r}: expected auto, 0 or 1")
-        if not self.graphs_enabled or mode == "0" or (mode == "auto" and self.device.type != "cuda"):
+            raise ConfigError(f"DEEPINFER_CUDA_GRAPH_WARMUP={mode!r}: expected auto, 0 or 1",
+                              field="DEEPINFER_CUDA_GRAPH_WARMUP")
+        return mode
+
+    def warms_up(self) -> bool:
+        """Whether :meth:`warmup` captures the graph set (and then seals it)."""
+        mode = self.warmup_mode()
+        return self.graphs_enabled and mode != "0" and not (mode == "auto" and self.device.type != "cuda")
+
+    def _dummy_meta(self, rows: int, width: int) -> DecodeMeta:
+        """A shape's persistent inputs set to the dummy step: ids 0, position 0, slot 0, block 0
+        for every row, one row per group."""
+        inputs = self._graph_inputs(rows, width)
+        inputs.flat.zero_()
+        inputs.starts.copy_(torch.arange(rows + 1, dtype=torch.int32, device=self.device))
+        return self._meta(inputs, width, True, rows)
+
+    def warmup(self, max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+        """Capture the decode graphs of :meth:`warmup_shapes` (CUDA with graphs on, unless
+        ``DEEPINFER_CUDA_GRAPH_WARMUP=0``; ``=1`` also emulates them on a host cache: tests),
+        then seal the set; returns how many shapes it captured. On CUDA the set's device
+        bytes are measured (:attr:`graph_bytes`) and the eager warm-ups' cached blocks returned."""
+        if not self.warms_up():
             return 0
-        shapes = self.warmup_shapes(max_num_seqs, max_model_len, block_size)
+        shapes = [s for s in self.warmup_shapes(max_num_seqs, max_model_len, block_size)
+                  if not self.graphs.has(s)]
+        before = reserved_bytes(self.device)
         for rows, width in shapes:
-            inputs = self._graph_inputs(rows, width)
-            inputs.flat.zero_()  # ids 0, position 0, slot 0, block 0 for every row ...
-            inputs.starts.copy_(torch.arange(rows + 1, dtype=torch.int32, device=self.device))  # one row per group
-            self._replay((rows, width), self._meta(inputs, width, True, rows), self._logits_reduced)
+            self.graphs.capture((rows, width), self._dummy_meta(rows, width), self._logits_reduced)
             self.warmed.append((rows, width))
+        after = reserved_bytes(self.device)
+        if before is not None and after is not None:
+            self.graph_bytes = after - before
+        self.max_graph_batch = max((r for r, _ in self.warmed), default=self.max_graph_batch)
+        self.graphs.seal()
         return len(shapes)
+
+    def probe_graph_memory(self, shape: tuple[int, int]) -> GraphMemory:
+        """Capture the graph of ``shape`` in a pool of its own on this (throwaway) runner and
+        measure it (:class:`GraphMemory`), then drop it: the memory profile's run before the
+        KV cache is sized. On a host the outputs are measured from an eager run."""
+        rows, width = shape
+        meta = self._dummy_meta(rows, width)
+        pool = eager_peak = None
+        if self.device.type == "cuda":
+            reserved_bytes(self.device)  # synchronized, cache returned
+            torch.cuda.reset_peak_memory_stats(self.device)
+            allocated = torch.cuda.memory_allocated(self.device)
+            out = self._logits_reduced(meta)  # eager: compiles, and its peak (regular allocator)
+            torch.cuda.synchronize(self.device)
+            eager_peak = int(torch.cuda.max_memory_allocated(self.device) - allocated)
+            del out
+            base = reserved_bytes(self.device)
+            out = self.graphs.capture(("probe", rows, width), meta, self._logits_reduced, pool=None)
+            pool = reserved_bytes(self.device) - base
+        else:
+            out = self._logits_reduced(meta)
+        per_row = tuple(t.numel() * t.element_size() // rows for t in tensors_of(out))
+        del out
+        self.graphs.release()
+        reserved_bytes(self.device)
+        return GraphMemory((rows, width), pool, per_row, eager_peak, len(self.groups))
 
     # ---- execution -------------------------------------------------------------------
     def _logits(self, meta: DecodeMeta, capture: dict | None = None) -> torch.Tensor:
@@ -292,8 +358,9 @@ class FastPath:
             return None
         layers = tuple(sorted(capture)) if capture else ()
         if meta.graphed:
-            streams, hidden = self._replay(("streams", meta.ids.shape[0], meta.width, layers), meta,
-                                           lambda m: self._streams(m, layers))
+            self._counts["graph_steps"] += 1
+            streams, hidden = self.graphs.replay(("streams", meta.ids.shape[0], meta.width, layers), meta,
+                                                 lambda m: self._streams(m, layers))
         else:
             streams, hidden = self._streams(meta, layers)
         n = meta.n_rows
@@ -314,7 +381,8 @@ class FastPath:
         self.reduced = None
         if meta is None or not meta.graphed:
             return None
-        logits, red = self._replay((meta.ids.shape[0], meta.width), meta, self._logits_reduced)
+        self._counts["graph_steps"] += 1
+        logits, red = self.graphs.replay((meta.ids.shape[0], meta.width), meta, self._logits_reduced)
         n = meta.n_rows
         self.reduced = GraphReductions(*(t[:n] for t in red))
         return logits[:n]
@@ -326,28 +394,3 @@ class FastPath:
         packed = torch.empty(logits.shape[0], 2, dtype=torch.int64, device=logits.device)
         tok, lse, lp = self.ops.argmax_logsumexp(logits, packed=packed)
         return logits, (packed, lse, tok, lp, meta.slots.long())
-
-    def _replay(self, key: tuple, meta: DecodeMeta, fn: Any) -> Any:
-        """``fn(meta)``'s outputs from the CUDA graph of ``key`` (captured on first use, after
-        an eager warm-up: decode writes are idempotent); eager on a host cache (tests)."""
-        self.stats["graph_steps"] += 1
-        if self.device.type != "cuda":  # host emulation: the padded buffers, eagerly
-            return fn(meta)
-        entry = self._graphs.get(key)
-        if entry is None:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm-up (Triton compiles)
-                fn(meta)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the async engine may run steps in a worker thread while the main one schedules
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                out = fn(meta)
-            if self._pool is None:
-                self._pool = graph.pool()
-            entry = self._graphs[key] = (graph, out)
-            self.stats["captures"] += 1
-        graph, out = entry
-        graph.replay()
-        return out
