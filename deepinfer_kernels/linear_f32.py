@@ -20,11 +20,16 @@ import triton.language as tl
 from ._common import check_device, interpreting, next_pow2
 
 
+#: Rows of one launch at most: every row of the step in one register tile per program.
+MAX_ROWS = 16
+
+
 @triton.jit(do_not_specialize=["T"])
 def _linear_f32_kernel(x_ptr, w_ptr, out_ptr, T, N, K, stride_x, div,
                        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # a weight stream: few output columns per program (many programs), products summed on
-    # the CUDA cores (float32 FMAs: a tensor-core dot would round through TF32)
+    # a weight stream: one or two output columns per program (many programs, each reading
+    # its weight rows once), products summed on the CUDA cores (a tensor-core dot would
+    # round through TF32)
     rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask, cmask = rows < T, cols < N
@@ -42,7 +47,8 @@ def _linear_f32_kernel(x_ptr, w_ptr, out_ptr, T, N, K, stride_x, div,
 
 
 def linear_f32(x: torch.Tensor, w: torch.Tensor, div: float = 1.0) -> torch.Tensor:
-    """Float32 [T, N] = x [T, K] (any float dtype) @ w [N, K] (float32)^T / div."""
+    """Float32 [T, N] = x [T, K] (any float dtype) @ w [N, K] (float32)^T / div; more than
+    MAX_ROWS rows take the reference (cuBLAS)."""
     check_device(x, w)
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or w.dtype != torch.float32:
         raise ValueError(f"linear_f32: x [T, K] and a float32 w [N, K], got {tuple(x.shape)} and "
@@ -52,13 +58,16 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor, div: float = 1.0) -> torch.Tens
     w = w.contiguous()
     t, k = x.shape
     e = w.shape[0]
+    if t > MAX_ROWS:  # cuBLAS's float32 GEMM (an upcast copy first) is faster from here
+        return linear_f32_ref(x, w, div)
     out = torch.empty(t, e, dtype=torch.float32, device=x.device)
-    block_t = min(8, next_pow2(t))  # rows per program: x re-read per column block, w per row block
-    block_n = 4 if t <= 8 else 8
+    block_t = next_pow2(t)
+    block_n = 1 if e <= 256 else 2  # one or two weight rows per program: N / block_n programs
+    block_k = 32 if interpreting() else min(next_pow2(k), 4096 // (block_t * block_n))
     if t:
-        _linear_f32_kernel[(triton.cdiv(e, block_n), triton.cdiv(t, block_t))](
-            x, w, out, t, e, k, x.stride(0), float(div), BLOCK_T=block_t, BLOCK_N=block_n,
-            BLOCK_K=32 if interpreting() else 128, num_warps=4)
+        _linear_f32_kernel[(triton.cdiv(e, block_n), 1)](
+            x, w, out, t, e, k, x.stride(0), float(div), BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=4)
     return out
 
 

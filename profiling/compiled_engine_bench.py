@@ -61,19 +61,30 @@ def greedy_check(llm, n_prompts: int, new: int) -> dict:
 
 
 def host_profile(llm, batch: int, new: int, top: int = 30) -> list[dict]:
-    """Python time of one decode generate at ``batch`` (cProfile, after a warm-up): the
-    functions with the most own time, to tell host-bound steps apart from GPU-bound ones."""
+    """Python time of the decode steps of one generate at ``batch`` (cProfile, after a
+    warm-up): the functions with the most own time, to tell host-bound steps apart from
+    GPU-bound ones."""
     import cProfile
     import pstats
 
     prompts = [token_ids(1000 + i, 32, llm.model_config.vocab_size) for i in range(batch)]
     sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
-    prof = cProfile.Profile()
-    prof.enable()
-    llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
-    sync()
-    prof.disable()
+    prof, step, calls = cProfile.Profile(), llm.step, [0]
+
+    def profiled_step(*a, **kw):  # decode steps only: the profile starts after the prefill step
+        calls[0] += 1
+        if calls[0] == 2:
+            prof.enable()
+        return step(*a, **kw)
+
+    llm.step = profiled_step
+    try:
+        llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+        sync()
+    finally:
+        prof.disable()
+        del llm.step
     stats = pstats.Stats(prof).stats
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     return [{"function": f"{os.path.relpath(f[0], os.path.dirname(HERE)) if f[0].startswith('/') else f[0]}:{f[1]}"

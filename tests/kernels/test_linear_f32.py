@@ -16,7 +16,7 @@ from deepinfer_kernels.linear_f32 import linear_f32, linear_f32_ref  # noqa: E40
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows,cols,div", [(1, 64, 1.0), (19, 40, 0.7)])
+@pytest.mark.parametrize("rows,cols,div", [(1, 64, 1.0), (13, 40, 0.7), (3, 300, 1.0)])
 def test_linear_f32(fresh_seed: int, dtype: torch.dtype, rows: int, cols: int, div: float) -> None:
     g = gen(fresh_seed)
     x = torch.randn(rows, 96, generator=g).to(dtype).to(DEVICE)
