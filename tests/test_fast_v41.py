@@ -157,3 +157,14 @@ def test_v41_verify_rows_on_the_fast_path(ckpt, monkeypatch, replay, graphs):
     assert rows_per_request and max(rows_per_request) > 1, "no verify step with drafts ran on the fast path"
     assert llm.runner.spec.metrics.effective_tokens_per_step > 1.2
     assert (fast.stats["graph_steps"] > 0) == (graphs == "1")
+
+
+def test_v41_fast_decode_one_expert_per_token(tmp_path, monkeypatch):
+    """With one routed expert per token the gate's weight stays its score (no
+    normalisation), on the batched path as in the reference."""
+    cfg = tiny_v41_config(vocab_size=VOCAB, sliding_window=WINDOW, index_topk=8, candidate_topk_blocks=4,
+                          num_experts_per_tok=1)
+    write_tiny_checkpoint(str(tmp_path), seed=5, cfg=cfg)
+    _, ref = _run(str(tmp_path), monkeypatch, "0", tokens=6, prompts=PROMPTS[:3])
+    _, fast = _run(str(tmp_path), monkeypatch, "ref", tokens=6, prompts=PROMPTS[:3])
+    _same(ref, fast)

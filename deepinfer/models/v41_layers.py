@@ -83,13 +83,15 @@ class Gate41(nn.Module):
         self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
         self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
         self.top_k, self.func, self.temp = top_k, cfg.scoring_func, cfg.gate_temp
-        self.route_scale, self.normalize = cfg.routed_scaling_factor, cfg.norm_topk_prob
+        # one expert is never normalised (its weight stays its score): the effective flag, so
+        # every executor of this gate (the fast path's router kernel too) reads the same
+        self.route_scale, self.normalize = cfg.routed_scaling_factor, cfg.norm_topk_prob and top_k > 1
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         scores = score(invariant_ops.linear(x.float(), self.weight.float()) / self.temp, self.func)
         ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
-        if self.normalize and self.top_k > 1:
+        if self.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.route_scale, ids
 
