@@ -5,8 +5,10 @@ plotly.js bundle) in any panel's widget state."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
+from pathlib import Path
 
 import ipywidgets as W
 import plotly.graph_objects as go
@@ -168,3 +170,67 @@ def test_timeline_viewer_recaptures_on_batch_change_and_redraws_on_merge(tiny_ll
     assert not viewer.queue.errors
     assert viewer.last is not first and len(viewer.last.steps) == 3
     assert "<table" in viewer.table.value and "gap_ms" in viewer.table.value
+
+
+def test_notices_go_to_stdout_and_errors_to_stderr(capsys) -> None:
+    """In a notebook stderr renders as an error: a harmless notice must not land there."""
+    import logging
+
+    from deepinfer.workbench.notebook_logging import NotebookLogHandler, install_notebook_logging
+
+    assert install_notebook_logging("deepinfer.test-outside-kernel") is None  # pytest is not a kernel
+    handler = install_notebook_logging("deepinfer.test-notebook", force=True)
+    assert isinstance(handler, NotebookLogHandler)
+    assert install_notebook_logging("deepinfer.test-notebook", force=True) is handler  # once
+    log = logging.getLogger("deepinfer.test-notebook")
+    try:
+        log.warning("no tokenizer.json in %s; using the bundled one", "/ckpt")
+        log.error("a real failure")
+        out = capsys.readouterr()
+        assert out.out == "deepinfer.test-notebook [WARNING] no tokenizer.json in /ckpt; using the bundled one\n"
+        assert out.err == "deepinfer.test-notebook [ERROR] a real failure\n"
+    finally:
+        log.removeHandler(handler)
+
+
+NOTEBOOKS = sorted(p for p in (Path(__file__).resolve().parents[1] / "notebooks").glob("0[1-8]_*.ipynb")
+                   if not p.name.startswith("04_"))  # 04 belongs to the speculative decoding issue
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebooks_have_one_tagged_parameters_cell(path: Path) -> None:
+    """papermill's convention: MODEL / DEVICE / DTYPE / WORKLOAD set in one tagged cell, used later."""
+    import nbformat
+
+    from deepinfer.workbench.execute import parameter_names
+
+    nb = nbformat.read(path, as_version=4)
+    names = parameter_names(nb)
+    assert {"MODEL", "DEVICE", "DTYPE", "WORKLOAD"} <= set(names), names
+    later = "\n".join(c.source for c in nb.cells if c.cell_type == "code" and "parameters" not in c.metadata.get("tags", []))
+    for name in ("MODEL", "DEVICE", "DTYPE"):
+        assert re.search(rf"\b{name}\b", later), f"{path.name}: {name} is never used"
+    assert not any(c.get("outputs") for c in nb.cells if c.cell_type == "code"), "committed without outputs"
+
+
+def test_run_notebook_injects_parameters_after_the_tagged_cell(tmp_path: Path) -> None:
+    import nbformat
+
+    from deepinfer.workbench.execute import inject_parameters, run_notebook
+
+    params = nbformat.v4.new_code_cell('MODEL = None\nDTYPE = "float32"')
+    params.metadata["tags"] = ["parameters"]
+    nb = nbformat.v4.new_notebook(cells=[params, nbformat.v4.new_code_cell(
+        'import os\nassert DTYPE == "bfloat16" and MODEL == "/ckpt", (DTYPE, MODEL)\nprint("ran in", os.path.basename(os.getcwd()))')])
+    path = tmp_path / "nbdir" / "probe.ipynb"
+    path.parent.mkdir()
+    nbformat.write(nb, path)
+    with pytest.raises(ValueError, match=r"unknown notebook parameter\(s\) \['WORKLOAD'\]"):
+        inject_parameters(nb, {"WORKLOAD": "x"})
+    bad = run_notebook(path, {"DTYPE": "float16"}, out_path=tmp_path / "bad.ipynb")
+    assert not bad.ok and "AssertionError" in bad.error and (tmp_path / "bad.ipynb").exists()
+    good = run_notebook(path, {"MODEL": "/ckpt", "DTYPE": "bfloat16"}, out_path=tmp_path / "out.ipynb")
+    assert good.ok and good.cells == 3, good.error
+    executed = nbformat.read(tmp_path / "out.ipynb", as_version=4)
+    assert executed.cells[1].metadata["tags"] == ["injected-parameters"]
+    assert executed.cells[2].outputs[0]["text"] == "ran in nbdir\n"

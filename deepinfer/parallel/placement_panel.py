@@ -58,9 +58,10 @@ class ExpertPlacementPanel(Panel):
         self.layer = W.Dropdown(options=list(range(pl.num_layers)), value=0, description="layer")
         self.ep_size = slider(W.IntSlider, "EP size (what-if)", pl.num_ranks, 1, max(max_ep_size, pl.num_ranks))
         self.redundant = slider(W.IntSlider, "redundant experts", pl.num_redundant, 0, 2 * pl.num_logical)
-        self.run_button = W.Button(description="Run workload", button_style="primary")
-        self.rebalance_button = W.Button(description="Rebalance now", button_style="warning")
-        self.apply_button = W.Button(description="Apply EP size / redundancy")
+        auto = W.Layout(width="auto")  # the default button width cuts the longer labels off
+        self.run_button = W.Button(description="Run workload", button_style="primary", layout=auto)
+        self.rebalance_button = W.Button(description="Rebalance now", button_style="warning", layout=auto)
+        self.apply_button = W.Button(description="Apply EP size / redundancy", layout=auto)
         self.status = W.HTML(value="<i>run a workload to record expert load</i>")
         self.table = W.HTML()
         # figures drawn through FigurePane (workbench/figure_pane.py says why not FigureWidget);

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from deepinfer.workbench.batch_tuning import BatchTuningPanel
 from deepinfer.workbench.figure_pane import FigureChoice, FigurePane
+from deepinfer.workbench.notebook_logging import install_notebook_logging
 from deepinfer.workbench.timeline_viewer import TimelineViewer
 
 if TYPE_CHECKING:
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
 
 __all__ = ["BatchTuningPanel", "FigureChoice", "FigurePane", "TimelineViewer", "notebook_llm", "tiny_llm",
            "TINY_ENGINE_KWARGS"]
+
+install_notebook_logging()  # in a kernel: deepinfer's notices print plainly, not as red stderr
 
 #: Engine settings that keep the tiny model quick on a laptop CPU.
 TINY_ENGINE_KWARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 16,
