@@ -170,6 +170,9 @@ _DECLARED: tuple[EnvVar, ...] = (
            "seconds > 0 a collective may wait for a peer before failing (default 120)"),
     EnvVar("DEEPINFER_EP_TIMING", "bool", _bool, False,
            "0|1: time each expert-parallel all-to-all (EP benchmark; CUDA events on GPUs, wall clock on CPU)"),
+    EnvVar("DEEPINFER_STRUCTURED_BACKEND", "choice", _choice("auto", "xgrammar", "llguidance"), "auto",
+           "auto|xgrammar|llguidance: grammar backend of JSON-schema structured output (auto = xgrammar, "
+           "llguidance per schema where only it enforces the schema exactly)"),
     # ---- results, tests and scripts ----
     EnvVar("DEEPINFER_COMMIT", "str", _str, None,
            "the source commit recorded in results when the tree's .git cannot tell (device copies)"),

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer.structured.llg_backend import LLGMatcher
+
 if TYPE_CHECKING:
     from deepinfer.structured.matcher import RequestGrammar
 
@@ -83,11 +85,20 @@ class StructuredOutputBatch:
                 # row is below torch's parallel grain, and a whole-buffer fill_ enters an
                 # OpenMP region that costs milliseconds on a busy host.
                 host[j].fill_(-1)
-        matchers = [self.grammars[req_ids[j]].matcher for j in rows]
-        if len(rows) == 1:
-            matchers[0].fill_next_token_bitmask(host, rows[0])  # type: ignore[union-attr]
-        elif rows:
-            _batch_matcher().batch_fill_next_token_bitmask(matchers, host, rows)
+        # xgrammar's matchers are filled in one batched call; llguidance's one by one
+        # (the same bitmask layout: see llg_backend.py)
+        xgr_rows, xgr_matchers = [], []
+        for j in rows:
+            matcher = self.grammars[req_ids[j]].matcher
+            if isinstance(matcher, LLGMatcher):
+                matcher.fill_next_token_bitmask(host, j)
+            else:
+                xgr_rows.append(j)
+                xgr_matchers.append(matcher)
+        if len(xgr_rows) == 1:
+            xgr_matchers[0].fill_next_token_bitmask(host, xgr_rows[0])  # type: ignore[union-attr]
+        elif xgr_rows:
+            _batch_matcher().batch_fill_next_token_bitmask(xgr_matchers, host, xgr_rows)
         return host, rows
 
     def apply(self, logits: torch.Tensor, req_ids: list[str]) -> None:

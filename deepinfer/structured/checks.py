@@ -2,7 +2,7 @@
 
 xgrammar 0.2.x turns some JSON Schema keywords and regex constructs into a
 *larger* language with at most a log warning (probed one by one; see
-tests/test_structured_checks.py, which re-probes them so an xgrammar upgrade that
+tests/test_structured_spec.py, which re-probes them so an xgrammar upgrade that
 starts enforcing one shows up). A constraint that is silently weakened produces
 output that parses but does not validate, so these are errors here, each naming
 the keyword and where it sits in the schema.
@@ -12,10 +12,13 @@ additionalProperties, patternProperties, propertyNames, unevaluatedProperties,
 maxProperties, items (schema), prefixItems, unevaluatedItems, minItems, maxItems,
 minimum/maximum/exclusive* (integer and number), multipleOf (integer), minLength,
 maxLength, pattern, the formats in ``ENFORCED_FORMATS``, anyOf, local $ref.
-Probed as ignored (rejected): see ``_IGNORED`` and the conditional rules below.
-Formats were fuzzed against jsonschema's FormatChecker: several are only
-approximated (``APPROXIMATED_FORMATS``, rejected), and "date" is replaced by an
-exact calendar regex.
+Probed as ignored (rejected): see ``_IGNORED`` and the conditional rules below,
+and keywords that meet in one subschema (``_check_interactions``: siblings of
+anyOf / oneOf / allOf / $ref, enum with other keywords, multipleOf with bounds,
+pattern or format with length bounds). Formats were fuzzed against jsonschema's
+FormatChecker: several are only approximated (``APPROXIMATED_FORMATS``, rejected).
+A schema rejected here may still be enforced exactly by the llguidance backend
+(``backends.py`` chooses); contradictions are found before, in ``schema_rules``.
 
 Regexes (``regex`` specs and ``pattern``) follow Python ``re`` semantics for the
 checks users run afterwards: ``.`` is rewritten to ``[^\\n]`` (xgrammar lets it
@@ -27,23 +30,31 @@ from __future__ import annotations
 from typing import Any
 
 from deepinfer.errors import InvalidRequestError
+from deepinfer.structured.patterns import DATE_PATTERN  # noqa: F401  (re-exported)
+from deepinfer.structured.schema_rules import normalize_schema
 
-__all__ = ["check_json_schema", "check_regex", "ENFORCED_FORMATS", "APPROXIMATED_FORMATS", "DATE_PATTERN"]
+__all__ = ["check_json_schema", "check_xgrammar", "check_regex", "rewrite_regexes", "provably_disjoint", "VALIDATION_KEYWORDS", "ENFORCED_FORMATS", "APPROXIMATED_FORMATS", "DATE_PATTERN"]
 
 #: "format" values whose xgrammar grammar admits only values jsonschema's FormatChecker
 #: accepts (fuzzed: random walks through each format's grammar, every result checked).
-ENFORCED_FORMATS = frozenset({"email", "duration", "uuid", "uri", "uri-reference", "json-pointer", "date"})
-#: Formats xgrammar only approximates (fuzzing found e.g. 2023-11-31 for date, 12:24:60 for
-#: time, 01.2.3.4 for ipv4, 70-character hostname labels): rejected, a "pattern" is exact.
-APPROXIMATED_FORMATS = frozenset({"time", "date-time", "ipv4", "ipv6", "hostname", "uri-template",
-                                  "relative-json-pointer"})
-#: "date" is compiled as this exact regex instead of xgrammar's date grammar (which allows
-#: day 31 in every month and Feb 29 in every year): Gregorian calendar, years 0001-9999,
-#: equal to datetime.date.fromisoformat on every YYYY-MM-DD string (tested exhaustively).
-_YEAR = r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9][0-9]|[0-9][1-9][0-9]{2}|[1-9][0-9]{3})"
-DATE_PATTERN = (r"^(?:" + _YEAR + r"-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
-                r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
-                r"|(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)-02-29)$")
+#: date / date-time / time never reach here: ``schema_rules`` compiles them as exact patterns.
+ENFORCED_FORMATS = frozenset({"email", "duration", "uuid", "uri", "uri-reference", "json-pointer"})
+#: Formats xgrammar only approximates (fuzzing found e.g. 01.2.3.4 for ipv4, 70-character
+#: hostname labels): not xgrammar's; the llguidance backend takes ipv4 / ipv6 / hostname.
+APPROXIMATED_FORMATS = frozenset({"ipv4", "ipv6", "hostname", "uri-template", "relative-json-pointer"})
+#: Keywords that constrain a value (everything else is an annotation or unknown, which
+#: validators ignore). xgrammar drops every one of them that sits beside anyOf / oneOf /
+#: allOf / $ref (probed: ``required`` and even ``type`` beside ``anyOf`` are not enforced),
+#: and every one beside ``enum`` / ``const`` but ``type``.
+VALIDATION_KEYWORDS = frozenset({
+    "type", "enum", "const", "properties", "required", "additionalProperties", "patternProperties",
+    "propertyNames", "unevaluatedProperties", "minProperties", "maxProperties", "items", "prefixItems",
+    "additionalItems", "unevaluatedItems", "minItems", "maxItems", "uniqueItems", "contains", "minContains",
+    "maxContains", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength",
+    "maxLength", "pattern", "format", "$ref", "anyOf", "oneOf", "allOf", "not", "if", "then", "else",
+    "dependentRequired", "dependentSchemas", "dependencies"})
+_COMBINATORS = ("anyOf", "oneOf", "allOf", "$ref")
+_NUMERIC_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 #: Validation keywords xgrammar accepts but does not enforce.
 _IGNORED = ("contains", "minContains", "maxContains", "not", "if", "then", "else", "dependentRequired",
             "dependentSchemas", "dependencies", "contentEncoding", "contentMediaType", "contentSchema",
@@ -51,7 +62,7 @@ _IGNORED = ("contains", "minContains", "maxContains", "not", "if", "then", "else
 _SUBSCHEMA = ("additionalProperties", "unevaluatedProperties", "propertyNames", "items", "unevaluatedItems",
               "additionalItems")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 #: Letter escapes xgrammar's regex parser understands (others: literal letter or error).
 _LETTER_ESCAPES = frozenset("dDwWsSnrtfvxu")
 _JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
@@ -141,7 +152,8 @@ def _consts(schema: Any, prop: str) -> list | None:
     return None
 
 
-def _provably_disjoint(a: Any, b: Any) -> bool:
+def provably_disjoint(a: Any, b: Any) -> bool:
+    """No value validates against both subschemas (distinct types or a required const discriminator)."""
     ta, tb = _types(a), _types(b)
     if ta is not None and tb is not None and not ta & tb:
         return True
@@ -160,7 +172,7 @@ def _check_keywords(schema: dict, where: str) -> None:
                               f"remove it or express the constraint with supported keywords")
     if schema.get("uniqueItems") is True:
         raise _err(where, "JSON schema keyword 'uniqueItems': true is not enforced by the grammar backend")
-    if "multipleOf" in schema and (schema.get("type") != "integer" or isinstance(schema["multipleOf"], float)):
+    if "multipleOf" in schema and (schema.get("type") != "integer" or not isinstance(schema["multipleOf"], int)):
         raise _err(where, "JSON schema keyword 'multipleOf' is only enforced for type 'integer' with an "
                           "integer divisor")
     fmt = schema.get("format")
@@ -171,9 +183,7 @@ def _check_keywords(schema: dict, where: str) -> None:
     if fmt is not None and fmt not in ENFORCED_FORMATS:
         raise _err(where, f"JSON schema format {fmt!r} is not enforced by the grammar backend; "
                           f"supported formats: {sorted(ENFORCED_FORMATS)}")
-    if fmt == "date" and "pattern" in schema:
-        raise _err(where, "JSON schema 'format': 'date' together with 'pattern' is not supported "
-                          "(the date format is compiled as a pattern); keep one")
+    _check_interactions(schema, where)
     ref = schema.get("$ref")
     if ref is not None and not (ref == "#" or str(ref).startswith("#/")):
         raise _err(where, f"JSON schema $ref {ref!r}: only local references ('#/...') are supported")
@@ -186,42 +196,78 @@ def _check_keywords(schema: dict, where: str) -> None:
     if isinstance(branches, list):
         for i in range(len(branches)):
             for j in range(i + 1, len(branches)):
-                if not _provably_disjoint(branches[i], branches[j]):
+                if not provably_disjoint(branches[i], branches[j]):
                     raise _err(where, f"JSON schema 'oneOf' branches {i} and {j} may overlap, and the grammar "
                                       f"backend would enforce only anyOf; give branches distinct 'type's or a "
                                       f"required 'const' discriminator property, or use 'anyOf'")
 
 
-def _walk(schema: Any, where: str) -> Any:
-    """Check one subschema and return a copy with its regexes rewritten."""
+def _check_interactions(schema: dict, where: str) -> None:
+    """Keywords xgrammar drops when they meet others in one subschema."""
+    validating = sorted(k for k in schema if k in VALIDATION_KEYWORDS)
+    for key in _COMBINATORS:
+        if key in schema:
+            beside = [k for k in validating if k != key]
+            if beside:
+                raise _err(where, f"JSON schema keywords {beside} beside {key!r} are not enforced by the xgrammar "
+                                  f"backend (it drops them); move them into every branch")
+    for key in ("enum", "const"):
+        beside = [k for k in validating if k not in (key, "type", "enum", "const")]
+        if key in schema and beside:
+            raise _err(where, f"JSON schema keywords {beside} beside {key!r} are not enforced by the xgrammar "
+                              f"backend; list only the values that satisfy them")
+    bounds = [k for k in _NUMERIC_BOUNDS if k in schema]
+    if "multipleOf" in schema and bounds:
+        raise _err(where, f"JSON schema 'multipleOf' together with {bounds} is not enforced by the xgrammar "
+                          f"backend (it drops multipleOf)")
+    lengths = [k for k in ("minLength", "maxLength") if k in schema]
+    for key in ("pattern", "format"):
+        if key in schema and lengths:
+            raise _err(where, f"JSON schema {key!r} together with {lengths} is not enforced by the xgrammar "
+                              f"backend (it drops the length bounds)")
+
+
+def _walk(schema: Any, where: str, xgrammar: bool = True) -> Any:
+    """Check one subschema (xgrammar's rules unless ``xgrammar`` is False) and return a copy
+    with its regexes rewritten."""
     if isinstance(schema, bool):
         return schema
     if not isinstance(schema, dict):
         raise _err(where, f"a JSON schema must be an object or a boolean, got {schema!r}")
-    _check_keywords(schema, where)
+    if xgrammar:
+        _check_keywords(schema, where)
     out = dict(schema)
-    if schema.get("format") == "date":  # exact calendar regex instead of xgrammar's approximation
-        del out["format"]
-        out["pattern"] = DATE_PATTERN
-    elif isinstance(schema.get("pattern"), str):
+    if isinstance(schema.get("pattern"), str):
         out["pattern"] = check_regex(schema["pattern"], f"{where}/pattern")
     for key in _SUBSCHEMA:
         if key in schema and not isinstance(schema[key], list):
-            out[key] = _walk(schema[key], f"{where}/{key}")
+            out[key] = _walk(schema[key], f"{where}/{key}", xgrammar)
     for key in _SUBSCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             sub = {}
             for name, value in schema[key].items():
                 new_name = check_regex(name, f"{where}/{key}") if key == "patternProperties" else name
-                sub[new_name] = _walk(value, f"{where}/{key}/{name}")
+                sub[new_name] = _walk(value, f"{where}/{key}/{name}", xgrammar)
             out[key] = sub
     for key in _SUBSCHEMA_LISTS:
         if isinstance(schema.get(key), list):
-            out[key] = [_walk(s, f"{where}/{key}/{i}") for i, s in enumerate(schema[key])]
+            out[key] = [_walk(s, f"{where}/{key}/{i}", xgrammar) for i, s in enumerate(schema[key])]
     return out
 
 
-def check_json_schema(schema: dict) -> dict:
-    """Raise InvalidRequestError naming the first unsupported construct (by JSON
-    pointer, e.g. ``schema/properties/tags``); else return the schema to compile."""
+def check_xgrammar(schema: dict) -> dict:
+    """xgrammar's part of admission, on a schema ``normalize_schema`` returned: raise
+    InvalidRequestError naming the first construct xgrammar would weaken (by JSON pointer,
+    e.g. ``schema/properties/tags``); else return the schema to compile (regexes rewritten)."""
     return _walk(schema, "schema")
+
+
+def rewrite_regexes(schema: dict) -> dict:
+    """Only the regex rules (Python ``re`` semantics, unsupported syntax rejected): the
+    part of this module the llguidance backend needs too."""
+    return _walk(schema, "schema", xgrammar=False)
+
+
+def check_json_schema(schema: dict) -> dict:
+    """Backend-independent rules (``schema_rules``) then xgrammar's: the schema to compile."""
+    return check_xgrammar(normalize_schema(schema))

@@ -3,8 +3,8 @@
 Two stages, on purpose:
 
 1. :meth:`GrammarCompilerPool.check` runs on the caller's thread at admission:
-   deepinfer's own checks (``checks.py``) plus xgrammar's *parser* (``Grammar.from_*``,
-   milliseconds, no vocabulary work), so an invalid or unsupported spec raises
+   ``backends.plan_spec`` (deepinfer's own rules, the backend choice and that backend's
+   *parser*: milliseconds, no vocabulary work), so an invalid or unsupported spec raises
    ``InvalidRequestError`` before any request of the call is queued.
 2. :meth:`GrammarCompilerPool.submit` returns a ``Future`` of the compiled grammar
    (the token-mask precomputation over the whole vocabulary, the slow part). The
@@ -17,22 +17,21 @@ entries), so a batch of requests with one schema compiles it once.
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from deepinfer.errors import InvalidRequestError
-from deepinfer.structured.checks import check_json_schema, check_regex
+from deepinfer.structured.backends import (GrammarPlan, backend_mode, clean_xgrammar_error, plan_spec,
+                                           xgrammar_json_options)
 from deepinfer.structured.spec import StructuredOutputSpec
 
 if TYPE_CHECKING:
+    import llguidance
     import xgrammar
 
-__all__ = ["GrammarCompilerPool", "clean_xgrammar_error"]
-
-_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
-
+__all__ = ["GrammarCompilerPool", "clean_xgrammar_error", "xgrammar_json_options"]
 
 # xgrammar (0.2.x) writes the characters of length-bounded JSON strings (minLength /
 # maxLength) as [^"\\\r\n], which admits raw control characters: invalid JSON (RFC 8259
@@ -47,18 +46,21 @@ def valid_json_strings(ebnf: str) -> str:
     return ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
 
-def clean_xgrammar_error(error: BaseException) -> str:
-    """xgrammar's message without its ``[time] file.cc:line:`` prefix."""
-    return _LOG_PREFIX.sub("", str(error).strip())
-
-
 class GrammarCompilerPool:
-    """Owns one ``xgrammar.GrammarCompiler`` and the worker threads that use it."""
+    """Owns one ``xgrammar.GrammarCompiler``, llguidance's tokenizer (built on first use,
+    from ``llg_tokenizer``) and the worker threads that compile with them.
 
-    def __init__(self, tokenizer_info: xgrammar.TokenizerInfo, max_workers: int = 2, max_cached: int = 256) -> None:
+    ``mode`` ("auto" | "xgrammar" | "llguidance"; default DEEPINFER_STRUCTURED_BACKEND at
+    construction) is the backend policy of ``backends.plan_spec``."""
+
+    def __init__(self, tokenizer_info: xgrammar.TokenizerInfo, max_workers: int = 2, max_cached: int = 256,
+                 llg_tokenizer: Callable[[], llguidance.LLTokenizer] | None = None, mode: str | None = None) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
+        self.mode = backend_mode(mode)
+        self._llg_factory, self._llg_tokenizer = llg_tokenizer, None
+        self._plans: OrderedDict[tuple, GrammarPlan] = OrderedDict()
         # xgrammar's compiler is thread-safe; its own cache is off: ours keys by spec.
         self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=max_workers, cache_enabled=False)
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="deepinfer-grammar")
@@ -66,45 +68,51 @@ class GrammarCompilerPool:
         self._futures: OrderedDict[tuple, Future] = OrderedDict()
 
     # ----------------------------------------------------------- admission
-    def prepare(self, spec: StructuredOutputSpec) -> tuple[str, Any]:
-        """deepinfer's checks; returns (kind, what to hand xgrammar) with regexes rewritten."""
-        if spec.kind in ("json", "json_object"):
-            return spec.kind, check_json_schema(spec.schema_dict)
-        if spec.kind == "regex":
-            return "regex", check_regex(str(spec.schema))
-        return "ebnf", spec.schema
+    def plan(self, spec: StructuredOutputSpec) -> GrammarPlan:
+        """The backend and source of ``spec`` (checked; cached by the spec's key)."""
+        key = spec.cache_key()
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = plan_spec(spec, self.mode)
+            while len(self._plans) > self.max_cached:
+                self._plans.popitem(last=False)
+        return plan
 
     def check(self, spec: StructuredOutputSpec) -> None:
-        """Raise InvalidRequestError if ``spec`` is unsupported or does not parse."""
+        """Raise InvalidRequestError if no allowed backend enforces ``spec`` exactly (or it does not parse)."""
         if spec.cache_key() in self._futures:
             return  # parsed (and compiled or compiling) already
-        kind, source = self.prepare(spec)
         try:
-            if kind in ("json", "json_object"):
-                self._xgr.Grammar.from_json_schema(source, **self._json_options(spec))
-            elif kind == "regex":
-                self._xgr.Grammar.from_regex(source)
-            elif kind == "ebnf":
-                self._xgr.Grammar.from_ebnf(source)
+            plan = self.plan(spec)
+            if plan.backend == "xgrammar" and plan.kind == "regex":
+                self._xgr.Grammar.from_regex(plan.source)
+            elif plan.backend == "xgrammar" and plan.kind == "ebnf":
+                self._xgr.Grammar.from_ebnf(plan.source)
         except RuntimeError as e:
-            raise InvalidRequestError(f"SamplingParams.structured_output: invalid {kind}: "
+            raise InvalidRequestError(f"SamplingParams.structured_output: invalid {spec.kind}: "
                                       f"{clean_xgrammar_error(e)}", field="structured_output") from None
 
-    @staticmethod
-    def _json_options(spec: StructuredOutputSpec) -> dict[str, Any]:
-        # strict_mode: no properties/items beyond the schema's (output stays valid;
-        # it only narrows what "additional" allows by default). json_object keeps any keys.
-        return {"any_whitespace": spec.any_whitespace, "strict_mode": spec.kind == "json"}
+    def llg_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._llg_tokenizer is None:
+            if self._llg_factory is None:
+                raise RuntimeError("this GrammarCompilerPool was built without an llguidance tokenizer")
+            self._llg_tokenizer = self._llg_factory()
+        return self._llg_tokenizer
 
     # --------------------------------------------------------- compilation
-    def _compile(self, spec: StructuredOutputSpec) -> xgrammar.CompiledGrammar:
-        kind, source = self.prepare(spec)
-        if kind in ("json", "json_object"):
-            grammar = self._xgr.Grammar.from_json_schema(source, **self._json_options(spec))
+    def _compile(self, spec: StructuredOutputSpec) -> Any:
+        """xgrammar.CompiledGrammar or llg_backend.LLGCompiled."""
+        plan = self.plan(spec)
+        if plan.backend == "llguidance":
+            from deepinfer.structured.llg_backend import LLGCompiled
+
+            return LLGCompiled(self.llg_tokenizer(), plan.source)
+        if plan.kind in ("json", "json_object"):
+            grammar = self._xgr.Grammar.from_json_schema(plan.source, **xgrammar_json_options(spec))
             return self.compiler.compile_grammar(valid_json_strings(str(grammar)))
-        if kind == "regex":
-            return self.compiler.compile_regex(source)
-        return self.compiler.compile_grammar(source)
+        if plan.kind == "regex":
+            return self.compiler.compile_regex(plan.source)
+        return self.compiler.compile_grammar(plan.source)
 
     def submit(self, spec: StructuredOutputSpec) -> Future:
         """Future of the compiled grammar for ``spec`` (shared with earlier equal specs)."""

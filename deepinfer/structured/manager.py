@@ -71,10 +71,17 @@ class StructuredOutputManager:
     @property
     def pool(self) -> GrammarCompilerPool:
         if self._pool is None:
-            from deepinfer.structured.vocab import build_tokenizer_info
+            from deepinfer.structured.llg_backend import build_llg_tokenizer
+            from deepinfer.structured.vocab import build_tokenizer_info, token_bytes
 
-            info = build_tokenizer_info(self.tokenizer, self.vocab_size, self.eos_token_id)
-            self._pool = GrammarCompilerPool(info, max_workers=self.max_workers)
+            table = token_bytes(self.tokenizer, self.vocab_size)
+            info = build_tokenizer_info(self.tokenizer, self.vocab_size, self.eos_token_id, table)
+
+            def llg_tokenizer() -> Any:  # built only when a schema needs llguidance
+                return build_llg_tokenizer(table, self.eos_token_id,
+                                           lambda text: self.tokenizer.encode(text, add_bos=False))
+
+            self._pool = GrammarCompilerPool(info, max_workers=self.max_workers, llg_tokenizer=llg_tokenizer)
             self._buffers = BitmaskBuffers(self.vocab_size, self.device, self.max_rows)
         return self._pool
 
@@ -120,8 +127,9 @@ class StructuredOutputManager:
             del self.pending[req_id]
             error = fut.exception()
             if error is not None:
-                raise InvalidRequestError(f"request {req_id}: grammar compilation failed: "
-                                          f"{clean_xgrammar_error(error)}", field="structured_output")
+                raise InvalidRequestError(f"request {req_id}: SamplingParams.structured_output: grammar "
+                                          f"compilation failed: {clean_xgrammar_error(error)}",
+                                          field="structured_output")
             spec = req.sampling_params.structured_output
             self.grammars[req_id] = RequestGrammar(fut.result(), self.trigger_ids(spec))
             scheduler.add_request(req)

@@ -10,28 +10,35 @@ them, and switches the grammar off again if the trigger is rolled back.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import xgrammar
 
-__all__ = ["GrammarViolation", "RequestGrammar"]
+__all__ = ["GrammarViolation", "RequestGrammar", "new_matcher"]
 
 
 class GrammarViolation(RuntimeError):
     """A sampled token the grammar rejects: the mask was not applied (an engine bug)."""
 
 
+def new_matcher(compiled: Any) -> Any:
+    """A fresh matcher of either backend: ``xgrammar.GrammarMatcher`` for an xgrammar
+    ``CompiledGrammar``, ``llg_backend.LLGMatcher`` for an ``LLGCompiled`` (same methods)."""
+    if hasattr(compiled, "new_matcher"):
+        return compiled.new_matcher()
+    import xgrammar as xgr
+
+    return xgr.GrammarMatcher(compiled)
+
+
 class RequestGrammar:
-    """Drives one request's ``xgrammar.GrammarMatcher`` from its output tokens."""
+    """Drives one request's grammar matcher (either backend) from its output tokens."""
 
-    def __init__(self, compiled: xgrammar.CompiledGrammar, trigger: tuple[int, ...] | None = None) -> None:
-        import xgrammar as xgr
-
-        self._xgr = xgr
+    def __init__(self, compiled: xgrammar.CompiledGrammar | Any, trigger: tuple[int, ...] | None = None) -> None:
         self.compiled = compiled
         self.trigger = tuple(trigger) if trigger else None
-        self.matcher: xgrammar.GrammarMatcher | None = None if self.trigger else xgr.GrammarMatcher(compiled)
+        self.matcher: Any = None if self.trigger else new_matcher(compiled)
         self.trigger_end: int | None = None if self.trigger else 0  # output index where the grammar starts
         self.num_seen = 0
         self._accepted: list[bool] = []
@@ -68,7 +75,7 @@ class RequestGrammar:
             self.num_seen += 1
             self._tail = (self._tail + [token])[-len(self.trigger):]  # type: ignore[arg-type]
             if tuple(self._tail) == self.trigger:  # grammar applies from the next token on
-                self.matcher = self._xgr.GrammarMatcher(self.compiled)
+                self.matcher = new_matcher(self.compiled)
                 self.trigger_end = self.num_seen
             return
         if not self.matcher.accept_token(token):

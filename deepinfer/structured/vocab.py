@@ -72,11 +72,13 @@ def token_bytes(tokenizer: Tokenizer, vocab_size: int) -> list[bytes]:
     return table
 
 
-def build_tokenizer_info(tokenizer: Tokenizer, vocab_size: int, eos_token_id: int) -> xgrammar.TokenizerInfo:
-    """TokenizerInfo whose vocab_size equals the model's logits width."""
+def build_tokenizer_info(tokenizer: Tokenizer, vocab_size: int, eos_token_id: int,
+                         table: list[bytes] | None = None) -> xgrammar.TokenizerInfo:
+    """TokenizerInfo whose vocab_size equals the model's logits width (``table``: the
+    ``token_bytes`` of the tokenizer, when the caller has it already)."""
     import xgrammar as xgr
 
     if not 0 <= eos_token_id < vocab_size:
         raise ValueError(f"eos_token_id {eos_token_id} is outside the model vocabulary [0, {vocab_size})")
-    return xgr.TokenizerInfo(token_bytes(tokenizer, vocab_size), xgr.VocabType.RAW, vocab_size=vocab_size,
-                             stop_token_ids=[eos_token_id])
+    return xgr.TokenizerInfo(table if table is not None else token_bytes(tokenizer, vocab_size), xgr.VocabType.RAW,
+                             vocab_size=vocab_size, stop_token_ids=[eos_token_id])

@@ -1,0 +1,145 @@
+"""Which grammar backend enforces a spec, decided per spec at admission.
+
+``DEEPINFER_STRUCTURED_BACKEND`` (deepinfer/envs.py) picks the policy:
+
+* ``auto`` (default): a JSON schema goes to xgrammar when xgrammar enforces it exactly
+  (``checks.check_xgrammar`` and xgrammar's parser accept it), else to llguidance when
+  llguidance does (``llg_backend.llg_grammar``: its compiler refuses what it does not
+  implement, and ``LLG_EXACT_FORMATS`` lists the formats fuzzed exact); else the request
+  is rejected with both backends' reasons;
+* ``xgrammar`` / ``llguidance``: only that backend (rejected if it cannot).
+
+Every JSON schema first goes through ``schema_rules.normalize_schema`` (contradictions
+rejected, exact rewrites), whatever the backend. Regex and EBNF specs always use
+xgrammar (EBNF is its grammar dialect; its regex rules are in ``checks.check_regex``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from deepinfer.errors import InvalidRequestError
+from deepinfer.structured.checks import check_regex, check_xgrammar, provably_disjoint, rewrite_regexes
+from deepinfer.structured.schema_rules import normalize_schema, schema_error
+from deepinfer.structured.spec import StructuredOutputSpec
+
+__all__ = ["BACKENDS", "LLG_EXACT_FORMATS", "GrammarPlan", "plan_spec", "backend_mode", "clean_xgrammar_error",
+           "xgrammar_json_options"]
+
+BACKENDS = ("xgrammar", "llguidance")
+#: Formats llguidance's grammar admits only values jsonschema's format checker accepts
+#: (fuzzed: tests/test_structured_backends.py). date / date-time / time are patterns by then.
+LLG_EXACT_FORMATS = frozenset({"email", "uuid", "ipv4", "ipv6", "hostname", "uri", "duration"})
+
+
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+def clean_xgrammar_error(error: BaseException) -> str:
+    """xgrammar's message without its ``[time] file.cc:line:`` prefix."""
+    return _LOG_PREFIX.sub("", str(error).strip())
+
+
+def xgrammar_json_options(spec: StructuredOutputSpec) -> dict[str, Any]:
+    """``Grammar.from_json_schema`` options of a spec."""
+    # strict_mode: no properties/items beyond the schema's (output stays valid;
+    # it only narrows what "additional" allows by default). json_object keeps any keys.
+    return {"any_whitespace": spec.any_whitespace, "strict_mode": spec.kind == "json"}
+
+
+@dataclass(frozen=True)
+class GrammarPlan:
+    """What to compile: ``backend`` ("xgrammar" | "llguidance"), ``kind`` (spec kind) and
+    ``source`` (xgrammar: the checked schema / regex / EBNF; llguidance: its grammar text)."""
+
+    backend: str
+    kind: str
+    source: Any
+
+
+def backend_mode(mode: str | None = None) -> str:
+    """``mode`` or DEEPINFER_STRUCTURED_BACKEND: "auto" | "xgrammar" | "llguidance"."""
+    if mode is None:
+        from deepinfer import envs
+
+        mode = envs.DEEPINFER_STRUCTURED_BACKEND
+    if mode not in ("auto", *BACKENDS):
+        raise ValueError(f"structured-output backend must be auto, xgrammar or llguidance, got {mode!r}")
+    return mode
+
+
+def _xgrammar_json(schema: dict, spec: StructuredOutputSpec) -> dict:
+    import xgrammar as xgr
+
+    checked = check_xgrammar(schema)
+    try:
+        xgr.Grammar.from_json_schema(checked, **xgrammar_json_options(spec))
+    except RuntimeError as e:  # e.g. "Check failed": the grammar layer, named as admission
+        raise schema_error("schema", f"the xgrammar backend cannot compile it: {clean_xgrammar_error(e)}") from None
+    return checked
+
+
+def _check_llg_formats(schema: Any, where: str) -> None:
+    if isinstance(schema, list):
+        for i, s in enumerate(schema):
+            _check_llg_formats(s, f"{where}/{i}")
+    elif isinstance(schema, dict):
+        fmt = schema.get("format")
+        if fmt is not None and fmt not in LLG_EXACT_FORMATS:
+            raise schema_error(where, f"JSON schema format {fmt!r} is not enforced exactly by the llguidance "
+                                      f"backend; exact formats: {sorted(LLG_EXACT_FORMATS)} and date/date-time/time")
+        for key, value in schema.items():
+            if key in ("enum", "const", "default", "examples"):
+                continue  # values, not subschemas
+            if isinstance(value, (dict, list)):
+                _check_llg_formats(value, f"{where}/{key}")
+
+
+def _exact_one_of(schema: Any) -> Any:
+    """``oneOf`` whose branches are pairwise provably disjoint is ``anyOf`` (exactly: at most
+    one branch can match); llguidance implements anyOf only. Other oneOf stay (and are refused)."""
+    if isinstance(schema, list):
+        return [_exact_one_of(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in ("enum", "const", "default", "examples") else _exact_one_of(v)) for k, v in schema.items()}
+    branches = out.get("oneOf")
+    if isinstance(branches, list) and "anyOf" not in out and all(
+            provably_disjoint(branches[i], branches[j]) for i in range(len(branches))
+            for j in range(i + 1, len(branches))):
+        out["anyOf"] = out.pop("oneOf")
+    return out
+
+
+def _llguidance_json(schema: dict, spec: StructuredOutputSpec) -> str:
+    from deepinfer.structured.llg_backend import llg_grammar
+
+    rewritten = _exact_one_of(rewrite_regexes(schema))
+    _check_llg_formats(rewritten, "schema")
+    return llg_grammar(rewritten, any_whitespace=spec.any_whitespace)
+
+
+def plan_spec(spec: StructuredOutputSpec, mode: str | None = None) -> GrammarPlan:
+    """Check ``spec`` and choose its backend; raise InvalidRequestError (keyword and JSON path)
+    when no allowed backend enforces it exactly."""
+    mode = backend_mode(mode)
+    if spec.kind == "regex":
+        return GrammarPlan("xgrammar", "regex", check_regex(str(spec.schema)))
+    if spec.kind == "ebnf":
+        return GrammarPlan("xgrammar", "ebnf", spec.schema)
+    schema = normalize_schema(spec.schema_dict)
+    if mode == "llguidance":
+        return GrammarPlan("llguidance", spec.kind, _llguidance_json(schema, spec))
+    try:
+        return GrammarPlan("xgrammar", spec.kind, _xgrammar_json(schema, spec))
+    except InvalidRequestError as xgrammar_error:
+        if mode == "xgrammar":
+            raise
+        try:
+            return GrammarPlan("llguidance", spec.kind, _llguidance_json(schema, spec))
+        except InvalidRequestError as llg_error:
+            reason = str(llg_error).removeprefix("SamplingParams.structured_output: ")
+            raise InvalidRequestError(f"{xgrammar_error}; the llguidance backend cannot either: {reason}",
+                                      field="structured_output") from None

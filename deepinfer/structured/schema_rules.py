@@ -1,0 +1,207 @@
+"""Backend-independent admission of a JSON schema: contradictions up front, exact rewrites.
+
+Before either grammar backend sees a schema, :func:`normalize_schema` walks it and
+
+* rejects what no value (or no object / array / string / number) can satisfy, naming
+  the keyword and its JSON path: ``type: []``, ``enum`` / ``const`` with no value of
+  the schema's ``type``, a ``const`` outside its ``enum``, ``required`` properties a
+  closed object cannot hold (``additionalProperties: false``), more ``required`` than
+  ``maxProperties``, empty ``anyOf`` / ``oneOf`` / ``allOf``, and inverted bounds
+  (``minimum > maximum``, ``minLength > maxLength``, ``minItems > maxItems``,
+  ``minProperties > maxProperties``). The backends would otherwise emit *some* JSON
+  (``{}``, ``0.00``) that fails the schema, or a value of another type;
+* rewrites constructs into equivalent (or, for 64-bit bounds, narrower) ones every
+  backend enforces exactly: ``enum`` values of the wrong ``type`` are dropped (they can
+  never validate), ``format: date`` / ``date-time`` / ``time`` become exact calendar
+  patterns (``patterns.py``), formats that JSON Schema does not define (``int32``,
+  ``byte``, ``topic``...) are dropped (validators treat them as annotations), and
+  ``uniqueItems: false`` (a no-op) is dropped;
+* integer bounds past 64 bits (xgrammar fails on them with "Check failed"; llguidance
+  clamps them, or crashes below -2**63) are clamped into the 64-bit range when values
+  remain, which only narrows what is generated; a range wholly past 64 bits is rejected.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from deepinfer.errors import InvalidRequestError
+from deepinfer.structured.patterns import DATE_PATTERN, DATE_TIME_PATTERN, TIME_PATTERN
+
+__all__ = ["normalize_schema", "schema_error", "SPEC_FORMATS", "INT64_MIN", "INT64_MAX"]
+
+INT64_MIN, INT64_MAX = -(2**63) + 1, 2**63 - 1  # -2**63 itself fails xgrammar's double check
+#: Formats JSON Schema (2020-12, draft 3-7) defines; any other is an annotation, dropped.
+SPEC_FORMATS = frozenset({
+    "date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname", "ipv4", "ipv6",
+    "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template", "json-pointer",
+    "relative-json-pointer", "regex", "color", "host-name", "ip-address", "utc-millisec", "phone", "style"})
+_FORMAT_PATTERNS = {"date": DATE_PATTERN, "date-time": DATE_TIME_PATTERN, "time": TIME_PATTERN}
+_TYPES = ("null", "boolean", "object", "array", "number", "string", "integer")
+_SUB = ("additionalProperties", "unevaluatedProperties", "propertyNames", "items", "unevaluatedItems",
+        "additionalItems", "contains", "not", "if", "then", "else")
+_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_BOUND_PAIRS = (("minLength", "maxLength", "string"), ("minItems", "maxItems", "array"),
+                ("minProperties", "maxProperties", "object"))
+
+
+def schema_error(where: str, message: str) -> InvalidRequestError:
+    """The admission error of a schema construct at JSON path ``where``."""
+    return InvalidRequestError(f"SamplingParams.structured_output: {where}: {message}", field="structured_output")
+
+
+def json_type(value: Any) -> str:
+    """The JSON type of a decoded value ("integer" for 1 and 1.0, as JSON Schema says)."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or (isinstance(value, float) and math.isfinite(value) and value.is_integer()):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object", type(None): "null"}.get(
+        type(value), "?")
+
+
+def _fits(value: Any, types: set[str]) -> bool:
+    t = json_type(value)
+    return t in types or (t == "integer" and "number" in types)
+
+
+def _types(schema: dict, where: str) -> set[str] | None:
+    t = schema.get("type")
+    if t is None:
+        return None
+    found = [t] if isinstance(t, str) else t
+    if not isinstance(found, list) or any(x not in _TYPES for x in found):
+        raise schema_error(f"{where}/type", f"'type' must be one of {list(_TYPES)} or a list of them, got {t!r}")
+    if not found:
+        raise schema_error(f"{where}/type", "'type': [] allows no value at all (unsatisfiable)")
+    return set(found)
+
+
+def _check_values(schema: dict, out: dict, types: set[str] | None, where: str) -> None:
+    """enum / const against type and each other; drops enum values that can never validate."""
+    if "enum" in schema:
+        values = schema["enum"]
+        if not isinstance(values, list) or not values:
+            raise schema_error(f"{where}/enum", f"'enum' must be a non-empty list, got {values!r}")
+        if types is not None:
+            kept = [v for v in values if _fits(v, types)]
+            if not kept:
+                raise schema_error(f"{where}/enum", f"no value of 'enum' {values!r} is of 'type' {sorted(types)} "
+                                                    f"(contradictory: nothing validates)")
+            out["enum"] = kept
+    if "const" in schema:
+        c = schema["const"]
+        if types is not None and not _fits(c, types):
+            raise schema_error(f"{where}/const", f"'const' {c!r} is not of 'type' {sorted(types)} "
+                                                 f"(contradictory: nothing validates)")
+        if "enum" in out and not any(c == v and json_type(c) == json_type(v) for v in out["enum"]):
+            raise schema_error(f"{where}/const", f"'const' {c!r} is not in 'enum' (contradictory)")
+
+
+def _check_bounds(schema: dict, out: dict, types: set[str] | None, where: str) -> None:
+    for lo, hi, kind in _BOUND_PAIRS:
+        a, b = schema.get(lo), schema.get(hi)
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a > b and (types is None or kind in types):
+            raise schema_error(f"{where}/{lo}", f"'{lo}' {a} > '{hi}' {b}: no {kind} satisfies both")
+    lo_v = max((schema[k] for k in ("minimum", "exclusiveMinimum") if _num(schema.get(k))), default=None)
+    hi_v = min((schema[k] for k in ("maximum", "exclusiveMaximum") if _num(schema.get(k))), default=None)
+    if lo_v is not None and hi_v is not None:
+        strict = schema.get("exclusiveMinimum") == lo_v or schema.get("exclusiveMaximum") == hi_v
+        if lo_v > hi_v or (strict and lo_v == hi_v):
+            raise schema_error(f"{where}/minimum", f"the lower bound {lo_v} is above the upper bound {hi_v}: "
+                                                   f"no number satisfies both")
+    if types is not None and types <= {"integer"}:
+        _clamp_integer_bounds(schema, out, where)
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _clamp_integer_bounds(schema: dict, out: dict, where: str) -> None:
+    for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        v = schema.get(key)
+        if not _num(v):
+            continue
+        low = key.endswith("inimum")
+        if (low and v >= INT64_MAX) or (not low and v <= INT64_MIN):
+            raise schema_error(f"{where}/{key}", f"integer range past 64 bits ({key} {v}): not supported "
+                                                 f"by the grammar backends (their integers are 64-bit)")
+        if v > INT64_MAX or v < INT64_MIN:  # only narrows: values past 64 bits are never generated
+            out[key] = max(INT64_MIN, min(INT64_MAX, int(v)))
+
+
+def _check_object(schema: dict, where: str) -> None:
+    required = schema.get("required", [])
+    if not isinstance(required, list):
+        return
+    if isinstance(schema.get("maxProperties"), int) and len(set(required)) > schema["maxProperties"]:
+        raise schema_error(f"{where}/required", f"{len(set(required))} 'required' properties but 'maxProperties' "
+                                                f"{schema['maxProperties']}: no object satisfies both")
+    if schema.get("additionalProperties") is not False:
+        return
+    props = schema.get("properties", {}) if isinstance(schema.get("properties"), dict) else {}
+    patterns = [p for p in schema.get("patternProperties", {})] if isinstance(
+        schema.get("patternProperties"), dict) else []
+    for name in required:
+        sub = props.get(name)
+        matched = [p for p in patterns if _search(p, name)]
+        if (name not in props and not matched) or (sub is False and not matched):
+            raise schema_error(f"{where}/required", f"required property {name!r} is not allowed by "
+                                                    f"'additionalProperties': false (no object satisfies the schema)")
+
+
+def _search(pattern: str, name: str) -> bool:
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:
+        return True  # unknown: do not call it unsatisfiable (the regex check reports a bad pattern)
+
+
+def _rewrite_format(schema: dict, out: dict, where: str) -> None:
+    fmt = schema.get("format")
+    if not isinstance(fmt, str) or fmt not in SPEC_FORMATS:
+        out.pop("format", None)  # not a JSON Schema format: validators treat it as an annotation
+        return
+    if fmt in _FORMAT_PATTERNS:
+        if "pattern" in schema:
+            raise schema_error(where, f"JSON schema 'format': {fmt!r} together with 'pattern' is not supported "
+                                      f"(the {fmt} format is compiled as a pattern); keep one")
+        del out["format"]
+        out["pattern"] = _FORMAT_PATTERNS[fmt]
+
+
+def _walk(schema: Any, where: str) -> Any:
+    if isinstance(schema, bool):
+        return schema
+    if not isinstance(schema, dict):
+        raise schema_error(where, f"a JSON schema must be an object or a boolean, got {schema!r}")
+    out = dict(schema)
+    types = _types(schema, where)
+    _check_values(schema, out, types, where)
+    _check_bounds(schema, out, types, where)
+    _check_object(schema, where)
+    _rewrite_format(schema, out, where)
+    if schema.get("uniqueItems") is False:
+        del out["uniqueItems"]
+    for key in _SUB:
+        if key in schema and not isinstance(schema[key], list):
+            out[key] = _walk(schema[key], f"{where}/{key}")
+    for key in _SUB_MAPS:
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: _walk(v, f"{where}/{key}/{name}") for name, v in schema[key].items()}
+    for key in _SUB_LISTS:
+        if isinstance(schema.get(key), list):
+            if not schema[key] and key in ("anyOf", "oneOf", "allOf"):
+                raise schema_error(f"{where}/{key}", f"'{key}' must be a non-empty list (an empty one is invalid)")
+            out[key] = [_walk(s, f"{where}/{key}/{i}") for i, s in enumerate(schema[key])]
+    return out
+
+
+def normalize_schema(schema: dict) -> dict:
+    """Raise InvalidRequestError (keyword and JSON path) for a contradictory schema; else
+    return the rewritten schema that the backend checks and compile."""
+    return _walk(schema, "schema")
