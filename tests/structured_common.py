@@ -34,3 +34,54 @@ def train_small_tokenizer(path: Path | str) -> None:
     tok.train_from_iterator(corpus, trainer)
     assert tok.get_vocab_size() == TOKENIZER_VOCAB and tok.token_to_id(DEFAULT_EOS_TOKEN) == 1
     tok.save(str(Path(path) / "tokenizer.json"))
+
+
+# ------------------------------------------------ random walks on a byte vocabulary
+BYTE_EOS = 256
+
+
+def byte_pool(mode: str | None = None):  # type: ignore[no-untyped-def]
+    """A GrammarCompilerPool over a byte-level vocabulary (ids 0..255 = bytes, 256 = EOS,
+    257..259 special) with both backends, as the engine builds it."""
+    import xgrammar as xgr
+
+    from deepinfer.structured.compiler import GrammarCompilerPool
+    from deepinfer.structured.llg_backend import build_llg_tokenizer
+
+    table = [bytes([i]) for i in range(256)] + [b"", b"", b"", b""]
+    info = xgr.TokenizerInfo(table, xgr.VocabType.RAW, vocab_size=len(table), stop_token_ids=[BYTE_EOS])
+    return GrammarCompilerPool(info, max_workers=1, mode=mode,
+                               llg_tokenizer=lambda: build_llg_tokenizer(table, BYTE_EOS, lambda s: list(s.encode())))
+
+
+def allowed_ids(bitmask, row: int = 0, vocab: int = 260) -> list[int]:  # type: ignore[no-untyped-def]
+    import torch
+
+    bits = (bitmask[row].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten()[:vocab].nonzero().flatten().tolist()
+
+
+def random_walks(compiled, walks: int, seed: int, max_bytes: int = 120) -> list[str | None]:  # type: ignore
+    """Walk a compiled grammar (either backend) with uniformly random allowed printable bytes,
+    ending with EOS at random once allowed; each completed walk's text (None: not completed)."""
+    import random
+
+    import torch
+
+    from deepinfer.structured.matcher import RequestGrammar
+
+    rng, out = random.Random(seed), []
+    bitmask = torch.full((1, 9), -1, dtype=torch.int32)
+    for _ in range(walks):
+        g, text = RequestGrammar(compiled), bytearray()
+        while len(text) < max_bytes and not g.is_terminated:
+            g.fill(bitmask, 0)
+            allowed = allowed_ids(bitmask)
+            assert all(t <= BYTE_EOS for t in allowed), f"special ids allowed: {allowed}"
+            printable = [t for t in allowed if 32 <= t < 127] or [t for t in allowed if t < 256]
+            t = BYTE_EOS if BYTE_EOS in allowed and (rng.random() < 0.3 or not printable) else rng.choice(printable)
+            g.accept(t)
+            if t != BYTE_EOS:
+                text.append(t)
+        out.append(text.decode("utf-8") if g.is_terminated else None)
+    return out

@@ -111,7 +111,12 @@ class LLGMatcher:
 
     def accept_token(self, token: int) -> bool:
         """Consume ``token`` if the grammar allows it; False (state unchanged) if not."""
-        if self.is_terminated() or self.matcher.validate_tokens([token]) != 1:
+        if self.is_terminated():
+            return False
+        # EOS is allowed exactly when the output is a complete match; validate_tokens says 0
+        # for it once llguidance has stopped (only EOS can follow), so it is not asked
+        allowed = self.matcher.is_accepting() if token == self.eos else self.matcher.validate_tokens([token]) == 1
+        if not allowed:
             return False
         if not self.matcher.consume_token(token):
             raise RuntimeError(f"llguidance rejected token {token} it had validated: {self.matcher.get_error()}")

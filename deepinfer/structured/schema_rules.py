@@ -32,7 +32,7 @@ from deepinfer.structured.patterns import DATE_PATTERN, DATE_TIME_PATTERN, TIME_
 
 __all__ = ["normalize_schema", "schema_error", "SPEC_FORMATS", "INT64_MIN", "INT64_MAX"]
 
-INT64_MIN, INT64_MAX = -(2**63) + 1, 2**63 - 1  # -2**63 itself fails xgrammar's double check
+INT64_MIN, INT64_MAX = -(2**63 - 1024), 2**63 - 1024  # exact as doubles: both backends parse bounds as f64
 #: Formats JSON Schema (2020-12, draft 3-7) defines; any other is an annotation, dropped.
 SPEC_FORMATS = frozenset({
     "date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname", "ipv4", "ipv6",
