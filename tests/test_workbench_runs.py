@@ -151,3 +151,50 @@ def test_every_panel_run_is_saved_with_its_settings(tiny_llm, tmp_path) -> None:
     assert a.workload["num_requests"] == 3 and a.workload["file"].endswith(".jsonl")
     assert a.summary["output_tok_per_s"] == pytest.approx(panel.history[0]["output_tok_s"])
     assert len(a.tables["requests"]) == 3 and a.tables["steps"]["output_tokens"].sum() == 9
+
+
+def _gpu_trace(path: Path) -> None:
+    """A PyTorch-profiler-shaped CUDA trace of 3 steps: per step a 300 us and a 100 us kernel
+    launched together (10 us apart on the stream) and a 50 us kernel launched late."""
+    ev, corr = [], 0
+
+    def launch(ts: int, kts: int, dur: int, name: str) -> None:
+        nonlocal corr
+        corr += 1
+        ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": ts,
+                   "dur": 4, "args": {"correlation": corr, "External id": corr}})
+        ev.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": kts, "dur": dur,
+                   "args": {"correlation": corr, "stream": 7, "device": 0, "External id": corr}})
+
+    for s in range(3):
+        base = 1000 * s
+        ev.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{s}", "pid": 1, "tid": 1,
+                   "ts": base, "dur": 1000, "args": {}})
+        launch(base + 10, base + 20, 300, "gemm_kernel")
+        launch(base + 15, base + 330, 100, "softmax_kernel")
+        launch(base + 700, base + 710, 50, "gemm_kernel")
+    path.write_text(json.dumps({"traceEvents": ev, "deviceProperties": [{"id": 0, "name": "NVIDIA H200"}]}))
+
+
+def test_kernel_breakdown_of_a_gpu_trace_through_hta(tmp_path, tiny_llm) -> None:
+    from deepinfer.profiling.trace import capture_trace
+    from deepinfer.workbench.kernel_breakdown import kernel_breakdown, kernel_breakdown_figure
+
+    _gpu_trace(tmp_path / "gpu.json")
+    kb = kernel_breakdown(tmp_path / "gpu.json")
+    assert kb.has_gpu and kb.source.startswith("HolisticTraceAnalysis")
+    top = kb.top_kernels.set_index("name")
+    assert top.loc["gemm_kernel", "total_us"] == 3 * 350 and top.loc["softmax_kernel", "total_us"] == 3 * 100
+    assert top["share"].sum() == pytest.approx(1.0)
+    idle = kb.idle.set_index("idle_category")["idle_us"]
+    assert idle["kernel_wait"] == 3 * 10  # the queued softmax waits 10 us behind the gemm each step
+    assert idle["host_wait"] > 0 and kb.idle["ratio"].sum() == pytest.approx(1.0)
+    assert kb.steps["device_busy_ms"].tolist() == pytest.approx([0.45, 0.45, 0.45])
+    assert kb.steps["device_idle_ms"].tolist() == pytest.approx([0.55, 0.55, 0.55])
+    fig = kernel_breakdown_figure(kb)
+    assert list(fig.data[0].x) == [300, 1050]  # ascending bottom to top
+    # a CPU trace (the tiny engine here) has no kernels: empty tables, not an error
+    cap = capture_trace(tiny_llm, prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=5, ignore_eos=True),
+                        num_steps=2, out_dir=str(tmp_path), name="cpu")
+    cpu = kernel_breakdown(cap.path)
+    assert not cpu.has_gpu and cpu.top_kernels.empty and len(cpu.steps) == 2
