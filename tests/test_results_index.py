@@ -1,0 +1,39 @@
+"""profiling/results_index.py: every script in profiling/ is classified (benchmark, study or
+GPU check), and each benchmark's current result is a file that exists."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+PROFILING = Path(__file__).resolve().parents[1] / "profiling"
+
+
+def _index():
+    spec = importlib.util.spec_from_file_location("results_index", PROFILING / "results_index.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_profiling_script_is_classified_once() -> None:
+    idx = _index()
+    bench = [b.script for b in idx.BENCHMARKS]
+    listed = bench + list(idx.STUDIES) + list(idx.CHECKS)
+    assert len(listed) == len(set(listed)), "a script is in two classes"
+    scripts = {p.name for p in PROFILING.iterdir() if p.suffix in (".py", ".sh")}
+    assert scripts - set(listed) == set(), f"add these to profiling/results_index.py: {sorted(scripts - set(listed))}"
+    assert set(listed) - scripts == set(), f"listed but gone: {sorted(set(listed) - scripts)}"
+
+
+def test_current_results_exist_and_the_index_names_them() -> None:
+    idx = _index()
+    text = idx.render()
+    for b in idx.BENCHMARKS:
+        path, n, _ = idx.current(b)
+        if path is None:
+            assert n == 0 and f"`{b.script}`" in text
+            continue
+        assert path.exists() and path.parent == idx.RESULTS and f"`results/{path.name}`" in text
