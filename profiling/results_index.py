@@ -51,6 +51,8 @@ BENCHMARKS = (
           ("spec_step_curve_*.json",)),
     Bench("structured_mask_overhead.py", "grammar bitmask fill / apply / accept per step",
           ("structured_mask_overhead_*.json",)),
+    Bench("structured_corpus_bench.py", "structured output on the pinned JSONSchemaBench corpus: outcomes, compile time",
+          ("structured_corpus_*.json",)),
     Bench("batch_invariant_cost.py", "throughput cost of batch-invariant mode", ("batch_invariant_cost_*.json",)),
     Bench("v41_bounded_replay.py", "V4.1 SWA bounded replay: prefill tok/s and quality, off vs compact",
           ("v41_bounded_replay_*.json",)),
