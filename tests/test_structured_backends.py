@@ -51,6 +51,8 @@ LLG_ONLY = {
     "pattern_with_maxLength": {"type": "string", "pattern": "^a*$", "maxLength": 3},
     "format_with_maxLength": {"type": "string", "format": "email", "maxLength": 12},
     "ipv4": {"type": "string", "format": "ipv4"},
+    "date_time": {"type": "string", "format": "date-time"},  # xgrammar misreads the exact pattern
+    "time": {"type": "string", "format": "time"},
     "ipv6": {"type": "string", "format": "ipv6"},
     "hostname": {"type": "string", "format": "hostname"},
     "number_multipleOf": {"type": "number", "multipleOf": 0.25, "minimum": 1, "maximum": 3},

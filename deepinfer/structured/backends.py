@@ -16,7 +16,13 @@ xgrammar (EBNF is its grammar dialect; its regex rules are in ``checks.check_reg
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,26 +81,66 @@ def _xgrammar_json(schema: dict, spec: StructuredOutputSpec) -> dict:
 
     checked = check_xgrammar(schema)
     try:
-        xgr.Grammar.from_json_schema(checked, **xgrammar_json_options(spec))
+        with _native_stderr() as logged:
+            xgr.Grammar.from_json_schema(checked, **xgrammar_json_options(spec))
     except RuntimeError as e:  # e.g. "Check failed": the grammar layer, named as admission
         raise schema_error("schema", f"the xgrammar backend cannot compile it: {clean_xgrammar_error(e)}") from None
+    # xgrammar logs (and does not raise) when it weakens a construct our rules did not catch,
+    # e.g. through a $ref: such a schema is not xgrammar's
+    warnings = [_LOG_PREFIX.sub("", line) for line in logged if "Warning:" in line]
+    if warnings:
+        raise schema_error("schema", f"the xgrammar backend would weaken it: {warnings[0].split('Warning: ')[-1]}")
     return checked
 
 
+_STDERR_LOCK = threading.Lock()
+
+
+@contextmanager
+def _native_stderr() -> Iterator[list[str]]:
+    """The lines native code writes to file descriptor 2 inside the block (xgrammar's C++ log)."""
+    lines: list[str] = []
+    with _STDERR_LOCK, tempfile.TemporaryFile() as f:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            lines.extend(f.read().decode("utf-8", errors="replace").splitlines())
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_VALUE_KEYS = ("enum", "const", "default", "examples", "required")
+
+
+def _subschemas(schema: dict, where: str) -> list[tuple[Any, str]]:
+    """The direct subschemas of a schema object with their JSON paths."""
+    out = []
+    for key, value in schema.items():
+        if key in _VALUE_KEYS:
+            continue  # values, not subschemas
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out += [(v, f"{where}/{key}/{name}") for name, v in value.items()]
+        elif isinstance(value, list):
+            out += [(v, f"{where}/{key}/{i}") for i, v in enumerate(value)]
+        elif isinstance(value, dict):
+            out.append((value, f"{where}/{key}"))
+    return out
+
+
 def _check_llg_formats(schema: Any, where: str) -> None:
-    if isinstance(schema, list):
-        for i, s in enumerate(schema):
-            _check_llg_formats(s, f"{where}/{i}")
-    elif isinstance(schema, dict):
-        fmt = schema.get("format")
-        if fmt is not None and fmt not in LLG_EXACT_FORMATS:
-            raise schema_error(where, f"JSON schema format {fmt!r} is not enforced exactly by the llguidance "
-                                      f"backend; exact formats: {sorted(LLG_EXACT_FORMATS)} and date/date-time/time")
-        for key, value in schema.items():
-            if key in ("enum", "const", "default", "examples"):
-                continue  # values, not subschemas
-            if isinstance(value, (dict, list)):
-                _check_llg_formats(value, f"{where}/{key}")
+    if not isinstance(schema, dict):
+        return
+    fmt = schema.get("format")
+    if isinstance(fmt, str) and fmt not in LLG_EXACT_FORMATS:
+        raise schema_error(where, f"JSON schema format {fmt!r} is not enforced exactly by the llguidance "
+                                  f"backend; exact formats: {sorted(LLG_EXACT_FORMATS)} and date/date-time/time")
+    for sub, path in _subschemas(schema, where):
+        _check_llg_formats(sub, path)
 
 
 def _exact_one_of(schema: Any) -> Any:
@@ -104,7 +150,14 @@ def _exact_one_of(schema: Any) -> Any:
         return [_exact_one_of(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (v if k in ("enum", "const", "default", "examples") else _exact_one_of(v)) for k, v in schema.items()}
+    out = {}
+    for key, value in schema.items():
+        if key in _VALUE_KEYS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _exact_one_of(v) for name, v in value.items()}
+        else:
+            out[key] = _exact_one_of(value)
     branches = out.get("oneOf")
     if isinstance(branches, list) and "anyOf" not in out and all(
             provably_disjoint(branches[i], branches[j]) for i in range(len(branches))

@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from deepinfer.errors import InvalidRequestError
-from deepinfer.structured.patterns import DATE_PATTERN  # noqa: F401  (re-exported)
+from deepinfer.structured.patterns import DATE_PATTERN, DATE_TIME_PATTERN, TIME_PATTERN  # noqa: F401
 from deepinfer.structured.schema_rules import normalize_schema
 
 __all__ = ["check_json_schema", "check_xgrammar", "check_regex", "rewrite_regexes", "provably_disjoint", "VALIDATION_KEYWORDS", "ENFORCED_FORMATS", "APPROXIMATED_FORMATS", "DATE_PATTERN"]
@@ -166,6 +166,10 @@ def provably_disjoint(a: Any, b: Any) -> bool:
 
 
 def _check_keywords(schema: dict, where: str) -> None:
+    if schema.get("pattern") in (TIME_PATTERN, DATE_TIME_PATTERN):
+        # xgrammar's JSON-pattern conversion accepts e.g. "11:29:322-12:12" for the time
+        # pattern (an optional fraction group before the zone alternation is misread)
+        raise _err(where, "JSON schema format 'time' / 'date-time' is not enforced exactly by the xgrammar backend")
     for key in _IGNORED:
         if key in schema:
             raise _err(where, f"JSON schema keyword {key!r} is not enforced by the grammar backend; "
