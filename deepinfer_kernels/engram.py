@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_device, dtype_code, interpreting, next_pow2, round_to
+from .hc_collapse import streams_tile
 
 
 @triton.jit
@@ -99,14 +100,7 @@ def _gate_kernel(s_ptr, kv_ptr, w_ptr, out_ptr, o_ptr, post_ptr, comb_ptr, eps, 
     t = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, HC)
     d = tl.arange(0, D)
-    s = tl.load(s_ptr + (t * HC + ks[:, None]) * D + d[None, :]).to(tl.float32)  # [HC, D]
-    if EXPAND:  # new_k = post_k * out + sum_j comb[j, k] * s_j, the j-sum in order
-        mixed = tl.zeros([HC, D], dtype=tl.float32)
-        for j in tl.static_range(HC):
-            s_j = tl.load(s_ptr + (t * HC + j) * D + d).to(tl.float32)
-            mixed += tl.load(comb_ptr + (t * HC + j) * HC + ks)[:, None] * s_j[None, :]
-        o = tl.load(o_ptr + t * D + d).to(tl.float32)
-        s = round_to(tl.load(post_ptr + t * HC + ks)[:, None] * o[None, :] + mixed, CODE, INTERP)
+    s = streams_tile(s_ptr, o_ptr, post_ptr, comb_ptr, t, HC, D, EXPAND, CODE, INTERP)  # [HC, D]
     key = tl.load(kv_ptr + t * (HC + 1) * D + ks[:, None] * D + d[None, :]).to(tl.float32)
     value = tl.load(kv_ptr + t * (HC + 1) * D + HC * D + d).to(tl.float32)
     w = tl.load(w_ptr + ks[:, None] * D + d[None, :])

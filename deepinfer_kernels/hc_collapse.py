@@ -18,13 +18,13 @@ from ._common import check_device, dtype_code, interpreting, next_pow2, round_to
 
 
 @triton.jit
-def _collapse_kernel(s_ptr, pre_ptr, w_ptr, out_ptr, o_ptr, post_ptr, comb_ptr, eps,
-                     HC: tl.constexpr, D: tl.constexpr, EXPAND: tl.constexpr, NORM: tl.constexpr,
-                     CODE: tl.constexpr, INTERP: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def streams_tile(s_ptr, o_ptr, post_ptr, comb_ptr, t, HC: tl.constexpr, D: tl.constexpr,
+                 EXPAND: tl.constexpr, CODE: tl.constexpr, INTERP: tl.constexpr):
+    """Token t's streams [HC, D] in float32; with EXPAND the pending expansion first
+    (``hc_expand``): ``new_k = round(post_k * out + sum_j comb[j, k] * s_j)``, j in order."""
     ks = tl.arange(0, HC)
     d = tl.arange(0, D)
-    s = tl.load(s_ptr + (t * HC + ks[:, None]) * D + d[None, :]).to(tl.float32)  # [HC, D]
+    s = tl.load(s_ptr + (t * HC + ks[:, None]) * D + d[None, :]).to(tl.float32)
     if EXPAND:
         mixed = tl.zeros([HC, D], dtype=tl.float32)
         for j in tl.static_range(HC):
@@ -32,6 +32,17 @@ def _collapse_kernel(s_ptr, pre_ptr, w_ptr, out_ptr, o_ptr, post_ptr, comb_ptr, 
             mixed += tl.load(comb_ptr + (t * HC + j) * HC + ks)[:, None] * s_j[None, :]
         o = tl.load(o_ptr + t * D + d).to(tl.float32)
         s = round_to(tl.load(post_ptr + t * HC + ks)[:, None] * o[None, :] + mixed, CODE, INTERP)
+    return s
+
+
+@triton.jit
+def _collapse_kernel(s_ptr, pre_ptr, w_ptr, out_ptr, o_ptr, post_ptr, comb_ptr, eps,
+                     HC: tl.constexpr, D: tl.constexpr, EXPAND: tl.constexpr, NORM: tl.constexpr,
+                     CODE: tl.constexpr, INTERP: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, HC)
+    d = tl.arange(0, D)
+    s = streams_tile(s_ptr, o_ptr, post_ptr, comb_ptr, t, HC, D, EXPAND, CODE, INTERP)  # [HC, D]
     h = round_to(tl.sum(tl.load(pre_ptr + t * HC + ks)[:, None] * s, axis=0), CODE, INTERP)  # [D]
     if NORM:
         inv = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(h * h, axis=0) / D + eps))
