@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--time-budget", type=float, default=None, help="skip points not started after this many s")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--png", action="store_true", help="also write the charts as PNG (kaleido + a system chromium)")
     return p
 
 
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                      num_workload_requests=args.num_requests, warmup_steps=args.warmup_steps,
                      measure_steps=args.measure_steps, seed=args.seed)
     res = run_sweep(spec=spec, engine_kwargs=engine, name=args.name, out_dir=args.out_dir,
-                    progress=not args.no_progress, time_budget_s=args.time_budget)
+                    progress=not args.no_progress, time_budget_s=args.time_budget, write_png=args.png)
     cols = ["kind", "max_num_seqs", "max_num_batched_tokens", "prefill_ms_per_step", "prefill_tok_s_per_device",
             "decode_step_ms", "tok_s_per_user", "tok_s_per_device", "mean_ttft_ms", "mean_tpot_ms"]
     sys.stdout.write(res.df[[c for c in cols if c in res.df]].to_string(index=False, float_format="%.2f") + "\n")

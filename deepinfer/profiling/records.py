@@ -4,7 +4,7 @@ Every result row carries the commit, hardware, device, dtype, context length (th
 engine's ``max_model_len``; rows add their own prompt / context lengths) and the full
 engine config. Files: ``<name>.csv`` (config as a JSON string column), ``<name>.json``
 (``{"meta": ..., "rows": [...]}``), ``<name>_prefill.html`` / ``<name>_decode.html``
-(plotly; PNG too when kaleido is installed and works).
+(plotly; PNG too when asked for and kaleido works).
 """
 
 from __future__ import annotations
@@ -98,8 +98,9 @@ def run_metadata(llm: Any, **extra: Any) -> dict[str, Any]:
 
 
 def write_results(df: pd.DataFrame, meta: dict[str, Any], figures: dict[str, Any], out_dir: str, name: str,
-                  png: bool | None = None) -> dict[str, str]:
-    """Write CSV, JSON and chart HTML (PNG when ``png`` or, if None, when kaleido imports)."""
+                  png: bool = False) -> dict[str, str]:
+    """Write CSV, JSON and chart HTML, and PNG when ``png`` (opt-in: kaleido starts a headless
+    chromium per figure, seconds each; ``deepinfer.workbench.export`` exports any figure)."""
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, name)
     paths = {"csv": base + ".csv", "json": base + ".json"}
@@ -109,10 +110,6 @@ def write_results(df: pd.DataFrame, meta: dict[str, Any], figures: dict[str, Any
         row["engine_config"] = json.loads(row["engine_config"])
     with open(paths["json"], "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
-    if png is None:
-        import importlib.util
-
-        png = importlib.util.find_spec("kaleido") is not None
     for key, fig in figures.items():
         paths[f"{key}_html"] = f"{base}_{key}.html"
         fig.write_html(paths[f"{key}_html"], include_plotlyjs="cdn")

@@ -198,7 +198,7 @@ def measure_workload(llm: LLM, workload: Sequence[WorkloadRequest], concurrency:
 
 def run_sweep(llm: LLM | None = None, spec: SweepSpec | None = None, engine_kwargs: dict[str, Any] | None = None,
               name: str | None = None, out_dir: str | None = None, progress: bool = True,
-              write_png: bool | None = None, time_budget_s: float | None = None) -> SweepResult:
+              write_png: bool = False, time_budget_s: float | None = None) -> SweepResult:
     """Run every point of ``spec`` on ``llm`` (built from ``engine_kwargs`` when None) and,
     when ``out_dir`` is given, write ``<name>.csv``, ``<name>.json`` and the two charts.
     Points not started within ``time_budget_s`` are skipped (listed in ``meta["skipped"]``)."""
