@@ -200,3 +200,15 @@ def test_decode_grid_flags_a_cell_off_its_rows_trend():
     ratios = trend_flags(ctx, cliff)
     assert ratios[2] > 2.5 and max(ratios[:2] + ratios[3:]) < 1.5
     assert trend_flags([128, 2048], [1.0, 1.1]) == [None, None]  # a row of two has no trend
+
+
+@pytest.mark.parametrize("fast_prefill,max_model_len,ran", [("ref", 512, 4), ("ref", 160, 3), ("0", 512, 0)])
+def test_prefill_step_kinds_warm_on_the_engines_prefill_path(monkeypatch, fast_prefill, max_model_len, ran):
+    """The start-up compile warm-up runs each prefill kind the limits allow (one-token prompt,
+    odd lengths, a second chunk beside a decoding row, 16 prompts) on the prefill path the
+    engine takes; none without a compiled one."""
+    from deepinfer.engine.prefill_warmup import warm_prefill_kinds
+
+    monkeypatch.setenv("DEEPINFER_FAST_PREFILL", fast_prefill)
+    cfg = EngineConfig(max_model_len=max_model_len, max_num_seqs=16, block_size=128, accelerator="cpu")
+    assert warm_prefill_kinds(_model(), cfg, torch.device("cpu")) == ran

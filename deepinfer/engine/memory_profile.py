@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.config import EngineConfig
+from deepinfer.engine.prefill_warmup import warm_prefill_kinds
 from deepinfer.models.fast.decode_graphs import GraphMemory
 from deepinfer.models.kv_cache import ForwardBatch, SeqMeta
 from deepinfer.models.registry import family_of
@@ -59,7 +60,8 @@ class MemoryProfile:
 
 @torch.no_grad()
 def profile_memory(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> MemoryProfile | None:
-    """The worst-case step's peak and the decode graphs' bytes on ``device`` (CUDA), or None."""
+    """The worst-case step's peak and the decode graphs' bytes on ``device`` (CUDA), or None.
+    Also compiles the other prefill step kinds (deepinfer/engine/prefill_warmup.py)."""
     if device.type != "cuda":
         return None
     graph, graph_bytes = decode_graph_memory(model, config, device)
@@ -70,6 +72,7 @@ def profile_memory(model: torch.nn.Module, config: EngineConfig, device: torch.d
     worst_case_step(model, config, device)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
+    warm_prefill_kinds(model, config, device)  # the other prefill kinds' compiles, off the first generate
     torch.cuda.empty_cache()
     return MemoryProfile(int(peak), graph_bytes, graph)
 

@@ -1,0 +1,81 @@
+"""Prefill / mixed step compiles moved from the first ``generate()`` to engine start.
+
+Triton compiles a kernel once per specialization of its launch: integer arguments equal
+to 1, divisible by 16, or neither are three different binaries (and so are the step's
+static flags). The memory profile's worst-case step (``memory_profile.worst_case_step``)
+compiles only its own kind: one fresh request of ``max_num_batched_tokens`` tokens. A
+first ``generate()`` of a few short prompts, the second chunk of a long one, or a step
+where new prompts join decoding requests would compile its variants while the user
+waits, which the decode grid (``profiling/decode_grid.py``) reports as the first call
+against the steady state. :func:`warm_prefill_kinds` runs such steps once over a
+throwaway cache on the prefill path the engine takes, before the KV cache exists (the
+graphs of pure-decode steps are captured separately, ``FastPath.warmup``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.config import EngineConfig
+from deepinfer.models.kv_cache import ForwardBatch, SeqMeta
+from deepinfer.models.registry import family_of
+
+def step_kinds(block_size: int) -> list[tuple[tuple[int, int, bool], ...]]:
+    """The step kinds warmed, as (start, length, is_new) per request: one 1-token prompt;
+    three new prompts of odd lengths; the second chunk of a prompt (after one block) beside
+    a decoding request; 16 one-token prompts (a count divisible by 16)."""
+    return [((0, 1, True),),
+            ((0, 5, True), (0, 11, True), (0, 13, True)),
+            ((block_size, 33, False), (5, 1, False)),
+            tuple((0, 1, True) for _ in range(16))]
+
+
+def _step(kind: tuple[tuple[int, int, bool], ...], block_size: int, groups: list[str],
+          device: torch.device, vocab: int) -> tuple[ForwardBatch, int]:
+    """The kind's batch over a cache whose requests own consecutive blocks; (batch, blocks)."""
+    seqs, ids, pos, next_block, offset = [], [], [], 0, 0
+    for slot, (start, length, is_new) in enumerate(kind):
+        n_blocks = -(-(start + length) // block_size)
+        table = {g: list(range(next_block, next_block + n_blocks)) for g in groups}
+        next_block += n_blocks
+        seqs.append(SeqMeta(start, length, offset, table, slot, is_new=is_new, prompt_len=start + length))
+        ids += [(7 * slot + 3 * j) % vocab for j in range(length)]
+        pos += list(range(start, start + length))
+        offset += length
+    batch = ForwardBatch(torch.tensor(ids, device=device), torch.tensor(pos, device=device), seqs)
+    return batch, next_block
+
+
+@torch.no_grad()
+def warm_prefill_kinds(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> int:
+    """Run every kind of :func:`step_kinds` once on the engine's prefill path (when it has
+    a compiled one) over a throwaway cache; returns how many ran (0: nothing to compile)."""
+    from deepinfer.models.fast.prefill import PrefillPath
+
+    if config.batch_invariant or family_of(model.cfg).prefill_executor is None:
+        return 0
+    mcfg, bs = model.cfg, config.block_size
+    family = family_of(mcfg)
+    groups = family.kv_group_names(mcfg)
+    steps = [_step(kind, bs, groups, device, mcfg.vocab_size) for kind in step_kinds(bs)
+             if max(s + n for s, n, _ in kind) <= config.max_model_len
+             and sum(n for _, n, _ in kind) <= config.max_num_batched_tokens and len(kind) <= config.max_num_seqs]
+    if not steps:
+        return 0
+    blocks = max(n for _, n in steps)
+    cache = family.new_kv_cache(mcfg, dict.fromkeys(groups, blocks), bs, max(len(b.seqs) for b, _ in steps),
+                                model.dtype, device)
+    prefill = PrefillPath.create(model, cache)
+    if prefill is None:
+        return 0
+    ran = 0
+    for batch, _ in steps:
+        meta = prefill.prepare(batch)
+        if meta is None:  # a kind this path does not take (the reference path serves it: nothing compiles)
+            continue
+        last = torch.tensor([s.offset + s.length - 1 for s in batch.seqs], device=device)
+        model.compute_logits(prefill.forward(batch, meta, last))
+        ran += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return ran
