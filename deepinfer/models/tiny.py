@@ -198,7 +198,9 @@ def save_checkpoint(model: DeepseekV4Model, path: str, quantize: bool = False, m
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg.to_official_json(), f, indent=2)
+        # random weights have no tokenizer of their own: opt into the bundled one explicitly
+        # (deepinfer/tokenizer.py refuses it for any other vocab_size unless this key says so)
+        json.dump({**cfg.to_official_json(), "deepinfer_tokenizer": "bundled"}, f, indent=2)
     if copy_tokenizer and cfg.vocab_size == 129280:
         _copy_v4_tokenizer(path)
     return path

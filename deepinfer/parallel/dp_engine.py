@@ -7,14 +7,24 @@ EPLB are driven from here: `placement`, `set_placement`, `rebalance`, `expert_lo
 
 Failures: a rank that dies raises `RankFailedError` at once (the driver watches every
 process) and shuts the group down; a rank stuck in a collective fails after the group's
-timeout (``DEEPINFER_DIST_TIMEOUT_S``) and its error is reported the same way. Input
-errors (bad prompts, placements) are raised as themselves and leave the engine serving.
+timeout (``DEEPINFER_DIST_TIMEOUT_S``) and its error is reported the same way. Ranks step
+in lockstep, so once one rank has answered a command the others get that timeout (plus
+`REPLY_SLACK_S`) to answer too: a rank that does not (stopped, hung outside a
+collective) is named, with its process state, in the RankFailedError. A rank that fails
+with anything but an input error ends the call at once, without waiting for its peers.
+Input errors (bad prompts, placements) are raised as themselves and leave the engine
+serving; prompts and sampling values are checked here, before any rank sees the call.
+
+Replies are request-scoped: every command carries a call id and every reply echoes it, so
+the replies of a call abandoned half-way (Ctrl-C in ``generate``) are recognised as stale
+and dropped by the next call instead of being returned as its outputs.
 """
 
 from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import time
 import weakref
 from collections.abc import Sequence
 from multiprocessing.connection import wait
@@ -23,18 +33,23 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from deepinfer.engine.admission import check_sampling_values, prompt_items
 from deepinfer.engine.inputs import expand_sampling_params
 from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError
 from deepinfer.llm import LLM
 from deepinfer.models.default_model import resolve_model
 from deepinfer.outputs import RequestOutput
 from deepinfer.parallel.eplb import RebalanceReport
-from deepinfer.parallel.launcher import WorkerSpec, dist_timeout_s, find_free_port, split_kwargs, worker_main
+from deepinfer.parallel.launcher import WorkerSpec, dist_host, dist_timeout_s, listen_store, split_kwargs, worker_main
 from deepinfer.parallel.placement import ExpertPlacement
 from deepinfer.parallel.rank_engine import PeerRejectedError
 from deepinfer.sampling_params import SamplingParams
 
-__all__ = ["DPLLM", "RankFailedError", "split_requests"]
+__all__ = ["DPLLM", "RankFailedError", "split_requests", "REPLY_SLACK_S"]
+
+#: seconds a rank may answer later than the first rank of a call, beyond the collective
+#: timeout (ranks run in lockstep: any longer and it is stopped or hung)
+REPLY_SLACK_S: float = 10.0
 
 
 class RankFailedError(RuntimeError):
@@ -71,7 +86,7 @@ def _context() -> Any:
 def _shutdown(procs: list[Any], conns: list[Any]) -> None:
     for conn in conns:
         try:
-            conn.send(("shutdown", None))
+            conn.send((-1, "shutdown", None))
         except (OSError, ValueError):
             pass
     for p in procs:
@@ -79,8 +94,23 @@ def _shutdown(procs: list[Any], conns: list[Any]) -> None:
         if p.is_alive():
             p.terminate()
             p.join(timeout=5)
+        if p.is_alive():  # a stopped (SIGSTOP) process only leaves on SIGKILL
+            p.kill()
+            p.join(timeout=5)
     for conn in conns:
         conn.close()
+
+
+def process_state(pid: int | None) -> str:
+    """A rank process's state for error messages ("stopped", "sleeping" ...), from /proc."""
+    names = {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped", "t": "stopped "
+             "(traced)", "Z": "a zombie", "X": "dead"}
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            code = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "in an unknown state"
+    return names.get(code, f"in state {code!r}")
 
 
 class DPLLM(LLM):
@@ -96,6 +126,7 @@ class DPLLM(LLM):
         split_requests([], 1, dp_split)  # validates dp_split
         self.world_size, self.dp_split, self.data_parallel_size = world, dp_split, dp
         self._ids = itertools.count()
+        self._call_ids = itertools.count(1)
         self._tokenizer = None
         accelerator = str(kwargs.get("accelerator", "auto"))
         if accelerator == "auto":
@@ -106,7 +137,11 @@ class DPLLM(LLM):
             kw["placement"] = kw["placement"].to_dict()
         split_kwargs(kw)  # bad EPLB settings / placements fail here, before any process starts
         model = resolve_model(model)
-        spec = WorkerSpec(model, tokenizer, world, find_free_port(), accelerator, dist_timeout_s(), ep > 1, kw)
+        self.timeout_s = dist_timeout_s()
+        # the rendezvous store lives here, on a socket bound before its port is known (no
+        # pick-and-release race), on 127.0.0.1 unless DEEPINFER_DIST_HOST names another address
+        self._store, port = listen_store(dist_host(), world, self.timeout_s)
+        spec = WorkerSpec(model, tokenizer, world, port, accelerator, self.timeout_s, ep > 1, kw, host=dist_host())
         ctx = _context()
         self._procs, self._conns = [], []
         for rank in range(world):
@@ -117,7 +152,7 @@ class DPLLM(LLM):
             self._procs.append(proc)
             self._conns.append(parent)
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns)
-        self._collect("start")
+        self._collect("start", call_id=0)
         info = self._call("info", ranks=[0])[0]
         self.config, self.model_config, self.model_dir = info["config"], info["model_config"], info["model_dir"]
         self.eos_token_id = self.model_config.eos_token_id
@@ -146,46 +181,82 @@ class DPLLM(LLM):
             raise RankFailedError("this engine was shut down (a rank failed, or shutdown() was called); create a "
                                   "new LLM")
         ranks = list(range(self.world_size)) if ranks is None else ranks
+        call_id = next(self._call_ids)
         for i, r in enumerate(ranks):
             try:
-                self._conns[r].send((cmd, payloads[i] if isinstance(payloads, list) else payloads))
+                self._conns[r].send((call_id, cmd, payloads[i] if isinstance(payloads, list) else payloads))
             except OSError:  # broken pipe: the rank is gone
                 self._procs[r].join(timeout=5)
                 self._rank_died(r, cmd, {})
-        return self._collect(cmd, ranks)
+        return self._collect(cmd, ranks, call_id)
 
-    def _collect(self, cmd: str, ranks: list[int] | None = None) -> list[Any]:
+    def _collect(self, cmd: str, ranks: list[int] | None = None, call_id: int = 0) -> list[Any]:
+        """The replies of call ``call_id`` from ``ranks`` (stale replies of earlier, abandoned
+        calls are dropped). Once one rank has replied, the others have the collective timeout
+        plus REPLY_SLACK_S to reply too; a rank that fails with a non-input error ends the
+        call at once."""
         ranks = list(range(self.world_size)) if ranks is None else ranks
         replies: dict[int, tuple[str, Any]] = {}
         pending = set(ranks)
+        deadline: float | None = None
         while pending:
             waitables = {self._conns[r]: r for r in pending} | {self._procs[r].sentinel: r for r in pending}
-            for obj in wait(list(waitables)):
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait(list(waitables), timeout=timeout)
+            if not ready and deadline is not None and time.monotonic() >= deadline:
+                self._ranks_silent(cmd, sorted(pending), replies)
+            for obj in ready:
                 r = waitables[obj]
                 if r not in pending:
                     continue
                 try:
                     if self._conns[r].poll():
-                        replies[r] = self._conns[r].recv()
+                        reply_id, status, value = self._conns[r].recv()
+                        if reply_id != call_id:
+                            continue  # the reply of a call abandoned earlier (Ctrl-C): stale
+                        replies[r] = (status, value)
                         pending.discard(r)
+                        if deadline is None:
+                            deadline = time.monotonic() + self.timeout_s + REPLY_SLACK_S
+                        if status == "error" and not isinstance(value[0], DeepInferError) and pending:
+                            break  # the group is broken: waiting for the peers' timeouts helps nobody
                         continue
                 except (EOFError, OSError):  # the pipe closed: the process is going away
                     self._procs[r].join(timeout=5)
                 if not self._procs[r].is_alive():
                     self._rank_died(r, cmd, replies)
+            else:
+                continue
+            break  # a rank failed mid-call: report it now
         errors = {r: v for r, (status, v) in replies.items() if status == "error"}
+        silent = sorted(pending)
         if errors:
             clean = all(isinstance(exc, DeepInferError) for exc, _ in errors.values())
             first = next((exc for exc, _ in errors.values() if not isinstance(exc, PeerRejectedError)),
                          next(iter(errors.values()))[0])
             if clean and cmd != "start":
                 raise first  # input errors: nothing ran, the engine keeps serving
+            notes = self._silent_notes(silent)
             self.shutdown()
             if clean:
                 raise first
             detail = "\n".join(f"--- rank {r}: {type(e).__name__}: {e}\n{tb}" for r, (e, tb) in sorted(errors.items()))
-            raise RankFailedError(f"{len(errors)} rank(s) failed during {cmd!r}; the engine is shut down\n{detail}")
+            failed = ", ".join(str(r) for r in sorted(errors))
+            raise RankFailedError(f"rank(s) {failed} failed during {cmd!r}{notes}; the engine is shut down\n{detail}")
         return [replies[r][1] for r in ranks]
+
+    def _silent_notes(self, silent: list[int]) -> str:
+        return "".join(f"; rank {r} (pid {self._procs[r].pid}) had not replied and is "
+                       f"{process_state(self._procs[r].pid)}" for r in silent)
+
+    def _ranks_silent(self, cmd: str, silent: list[int], replies: dict[int, tuple[str, Any]]) -> None:
+        notes = "; ".join(f"rank {q}: {type(v[0]).__name__}: {v[0]}" for q, (s, v) in replies.items() if s == "error")
+        states = ", ".join(f"rank {r} (pid {self._procs[r].pid}, {process_state(self._procs[r].pid)})" for r in silent)
+        waited = self.timeout_s + REPLY_SLACK_S
+        self.shutdown()
+        raise RankFailedError(f"{states} did not reply to {cmd!r} within {waited:g} s of the first rank's reply "
+                              f"(DEEPINFER_DIST_TIMEOUT_S={self.timeout_s:g} + {REPLY_SLACK_S:g} s); the engine is "
+                              f"shut down" + (f" ({notes})" if notes else ""))
 
     def _rank_died(self, rank: int, cmd: str, replies: dict[int, tuple[str, Any]]) -> None:
         proc = self._procs[rank]
@@ -207,15 +278,14 @@ class DPLLM(LLM):
                  prompt_token_ids: Sequence[Sequence[int]] | Sequence[int] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """`LLM.generate` across the ranks; outputs in prompt order."""
-        if (prompts is None) == (prompt_token_ids is None):
-            raise InvalidRequestError("generate() needs exactly one of prompts or prompt_token_ids")
-        if prompts is not None:
-            key, items = "prompts", [prompts] if isinstance(prompts, str) else list(prompts)
-        else:
-            ids = list(prompt_token_ids)
-            key, items = "prompt_token_ids", [ids] if ids and all(isinstance(t, int) for t in ids) else ids
+        # types, token ids and sampling values of the whole call, before any rank sees it
+        admitted = prompt_items(self, prompts, prompt_token_ids)
+        key = "prompts" if prompts is not None else "prompt_token_ids"
+        items = [text if key == "prompts" else ids for text, ids in admitted]
         params = expand_sampling_params(sampling_params, len(items))
-        lengths = [len(x) if hasattr(x, "__len__") else 1 for x in items]
+        for i, sp in enumerate(params):
+            check_sampling_values(sp, i, self.model_config.vocab_size)
+        lengths = [len(ids) for _, ids in admitted]
         shares = split_requests(lengths, self.world_size if self.data_parallel_size > 1 else 1, self.dp_split)
         shares += [[] for _ in range(self.world_size - len(shares))]
         payloads = [{key: [items[i] for i in idx], "sampling_params": [params[i] for i in idx]} for idx in shares]

@@ -3,7 +3,15 @@
 Spawned (``LLM(data_parallel_size=N, expert_parallel_size=N)``): the driver starts N
 processes running :func:`worker_main`; each joins a TCP-rendezvous group (NCCL on GPUs,
 gloo on CPU) with a collective timeout, builds a `RankLLM` and serves commands from its
-pipe until told to stop. Every reply is ``("ok", result)`` or ``("error", (exc, tb))``.
+pipe until told to stop. Every command is ``(call_id, cmd, payload)`` and every reply
+``(call_id, "ok", result)`` or ``(call_id, "error", (exc, tb))``: the driver drops the
+replies of calls it abandoned (request-scoped replies).
+
+Rendezvous: the driver holds the group's TCPStore (:func:`listen_store`) on a socket it
+binds first and hands to the store, so the port is never picked, released and re-bound
+(another process could take it in between). It listens on ``DEEPINFER_DIST_HOST``
+(default 127.0.0.1: the store has no authentication, so it is not exposed to the
+network unless asked); on 127.0.0.1 gloo's own connections use the loopback interface too.
 
 torchrun: each process calls :func:`rank_llm_from_torchrun` and then
 ``llm.generate_rank(...)`` with its own prompts (every rank the same number of times)::
@@ -35,8 +43,8 @@ from deepinfer.parallel.eplb import EPLBConfig
 from deepinfer.parallel.placement import ExpertPlacement
 from deepinfer.platform import get_platform
 
-__all__ = ["WorkerSpec", "dist_timeout_s", "find_free_port", "init_distributed", "rank_llm_from_torchrun",
-           "split_kwargs", "worker_main"]
+__all__ = ["WorkerSpec", "dist_host", "dist_timeout_s", "find_free_port", "init_distributed", "listen_store",
+           "rank_llm_from_torchrun", "split_kwargs", "worker_main"]
 
 DEFAULT_TIMEOUT_S: float = envs.ENV_VARS["DEEPINFER_DIST_TIMEOUT_S"].default
 
@@ -46,21 +54,49 @@ def dist_timeout_s(environ: dict[str, str] | None = None) -> float:
     return envs.get("DEEPINFER_DIST_TIMEOUT_S", environ)
 
 
+def dist_host(environ: dict[str, str] | None = None) -> str:
+    """``DEEPINFER_DIST_HOST``: the address the spawned group's rendezvous listens on."""
+    return envs.get("DEEPINFER_DIST_HOST", environ)
+
+
 def find_free_port() -> int:
+    """A port free now (racy: prefer :func:`listen_store`, which never releases its socket)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
+def listen_store(host: str, world_size: int, timeout_s: float) -> tuple[tuple[dist.TCPStore, socket.socket], int]:
+    """The group's rendezvous store, served from this process on ``host`` and a port the OS
+    picks for a socket that stays bound (handed to the store): ((store, socket), port).
+    Keep both alive as long as the group runs (the store serves from the socket)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"DEEPINFER_DIST_HOST={host!r}: cannot listen there ({exc}); use an address of this "
+                          f"host (default 127.0.0.1)", field="DEEPINFER_DIST_HOST") from None
+    sock.listen(max(16, 2 * world_size))
+    port = int(sock.getsockname()[1])
+    store = dist.TCPStore(host, port, world_size + 1, True, datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False, master_listen_fd=sock.fileno())
+    return (store, sock), port
+
+
 def init_distributed(rank: int, world_size: int, init_method: str | None, accelerator: str,
-                     timeout_s: float, local_rank: int | None = None) -> EPComm:
-    """Select this rank's device, join the default process group, return its `EPComm`."""
+                     timeout_s: float, local_rank: int | None = None, store: Any = None) -> EPComm:
+    """Select this rank's device, join the default process group (through ``store`` when
+    given, else ``init_method`` / torchrun's environment), return its `EPComm`."""
     platform = get_platform(accelerator)
     if platform.device_type != "cpu":
         platform.set_device((rank if local_rank is None else local_rank) % max(1, platform.device_count()))
     kwargs: dict[str, Any] = {"backend": platform.dist_backend, "rank": rank, "world_size": world_size,
                               "timeout": datetime.timedelta(seconds=timeout_s)}
-    if init_method is not None:
+    if store is not None:
+        kwargs["store"] = store
+    elif init_method is not None:
         kwargs["init_method"] = init_method
     dist.init_process_group(**kwargs)
     return EPComm()
@@ -107,6 +143,8 @@ class WorkerSpec:
     timeout_s: float
     expert_parallel: bool
     kwargs: dict[str, Any] = field(default_factory=dict)
+    #: the rendezvous store's address (the driver serves it)
+    host: str = "127.0.0.1"
     #: the driver's DEEPINFER_* variables when the engine was made: a forkserver child
     #: inherits the server's environment from when it started, not the driver's current one
     env: dict[str, str] = field(default_factory=lambda: deepinfer_env())
@@ -153,18 +191,23 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Any) -> None:
     """Entry point of a spawned rank: join the group, build the engine, serve commands."""
     from deepinfer.parallel.rank_engine import RankLLM
 
+    call_id = 0  # the start-up reply's id; then every reply echoes its command's id
+
     def reply(status: str, value: Any) -> None:
         try:
-            conn.send((status, value))
+            conn.send((call_id, status, value))
         except Exception:  # an unpicklable exception: send its text
-            conn.send(("error", (RuntimeError(repr(value[0] if status == "error" else value)), "")))
+            conn.send((call_id, "error", (RuntimeError(repr(value[0] if status == "error" else value)), "")))
 
     try:
         adopt_env(spec.env)
         if spec.accelerator == "cpu":
             torch.set_num_threads(1)  # ranks share the host's cores
-        comm = init_distributed(rank, spec.world_size, f"tcp://127.0.0.1:{spec.port}", spec.accelerator,
-                                spec.timeout_s)
+        if spec.host in ("127.0.0.1", "localhost") and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pair sockets on loopback too
+        store = dist.TCPStore(spec.host, spec.port, spec.world_size + 1, False,
+                              datetime.timedelta(seconds=spec.timeout_s))
+        comm = init_distributed(rank, spec.world_size, None, spec.accelerator, spec.timeout_s, store=store)
         kw, eplb, placement = split_kwargs(spec.kwargs)
         engine = RankLLM(spec.model, spec.tokenizer, comm=comm, expert_parallel=spec.expert_parallel, eplb=eplb,
                          placement=placement, **kw)
@@ -174,7 +217,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Any) -> None:
         return
     while True:
         try:
-            cmd, payload = conn.recv()
+            call_id, cmd, payload = conn.recv()
         except (EOFError, OSError):  # the driver went away
             break
         if cmd == "shutdown":
