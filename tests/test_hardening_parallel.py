@@ -1,0 +1,111 @@
+"""The 2-rank gloo engine under a careless / hostile user: Ctrl-C mid-generate leaves no
+stale replies behind, a stopped rank fails the call within the collective timeout and is
+named, bad inputs are refused before any rank runs, the rendezvous listens on loopback
+only, and a rank's own admission failure of any type reaches every rank's verdict."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.errors import ConfigError, InvalidRequestError
+from deepinfer.models.tiny import tiny_config, write_tiny_checkpoint
+from deepinfer.parallel.dp_engine import RankFailedError
+from deepinfer.parallel.launcher import listen_store
+
+VOCAB = 512
+KW = dict(dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
+SHORT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny_dp_hardening")
+    write_tiny_checkpoint(str(path), seed=11, cfg=tiny_config(vocab_size=VOCAB, sliding_window=32))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt) -> list[list[int]]:
+    return [o.token_ids for o in LLM(ckpt, **KW).generate(prompt_token_ids=PROMPTS, sampling_params=SHORT,
+                                                          use_tqdm=False)]
+
+
+@pytest.fixture()
+def engine(ckpt, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_DIST_TIMEOUT_S", "3")
+    llm = LLM(ckpt, data_parallel_size=2, expert_parallel_size=2, **KW)
+    yield llm
+    llm.shutdown()
+
+
+def _listening(pids: list[int]) -> list[str]:
+    out = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout.splitlines()
+    return [line.split()[3] for line in out if any(f"pid={p}," in line for p in pids)]
+
+
+def test_ctrl_c_then_next_call_gets_its_own_outputs(engine, reference) -> None:
+    assert [o.token_ids for o in engine.generate(prompt_token_ids=PROMPTS, sampling_params=SHORT,
+                                                 use_tqdm=False)] == reference
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(prompt_token_ids=[[1, 2]] * 3, sampling_params=long, use_tqdm=False)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    for _ in range(2):  # the abandoned call's replies arrive meanwhile: both calls get their own
+        outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=SHORT, use_tqdm=False)
+        assert [o.token_ids for o in outs] == reference
+        assert [o.prompt_token_ids for o in outs] == PROMPTS
+
+
+def test_stopped_rank_fails_within_the_timeout_and_is_named(engine) -> None:
+    listening = _listening([os.getpid(), *(p.pid for p in engine._procs)])
+    assert listening and all(a.startswith("127.0.0.1:") for a in listening), listening
+    # bad inputs are refused by the driver, before any rank runs, and the engine serves
+    with pytest.raises(InvalidRequestError, match="lone surrogate"):
+        engine.generate(["ok", "a\ud800"], use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="float32"):
+        sp = SamplingParams(structured_output={"regex": "[ab]+"})
+        sp.temperature = 1e39
+        engine.generate(prompt_token_ids=PROMPTS[:2], sampling_params=sp, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="int64"):
+        sp = SamplingParams()
+        sp.top_k = 2**70
+        engine.generate(prompt_token_ids=PROMPTS[:2], sampling_params=sp, use_tqdm=False)
+    # a share only one rank rejects (sent past the driver's checks): both ranks agree, nothing runs
+    with pytest.raises(InvalidRequestError, match="outside"):
+        engine._call("generate", [{"prompt_token_ids": [[1, VOCAB]], "sampling_params": [SHORT]},
+                                  {"prompt_token_ids": [[1, 2]], "sampling_params": [SHORT]}])
+    assert len(engine.generate(prompt_token_ids=PROMPTS, sampling_params=SHORT, use_tqdm=False)) == 3
+    victim = engine._procs[1].pid
+    os.kill(victim, signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match=rf"rank 1 \(pid {victim}\) had not replied and is stopped"):
+        engine.generate(prompt_token_ids=PROMPTS, sampling_params=SHORT, use_tqdm=False)
+    assert time.monotonic() - start < 3 + 20
+    assert not engine._procs[1].is_alive(), "a stopped rank is killed on shutdown"
+
+
+def test_rendezvous_binds_loopback_without_releasing_its_port(monkeypatch) -> None:
+    (store, sock), port = listen_store("127.0.0.1", 2, 5.0)
+    assert sock.getsockname() == ("127.0.0.1", port), "the socket stays bound: no pick-and-release"
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    monkeypatch.setenv("DEEPINFER_DIST_HOST", "not a host")
+    from deepinfer.parallel.launcher import dist_host
+    with pytest.raises(ConfigError, match="DEEPINFER_DIST_HOST"):
+        dist_host()
