@@ -46,6 +46,7 @@ from fastpath_check import check_engine, check_layers, check_prefill, set_mode, 
 from fastpath_roofline import ModelCosts, roofline  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.engine.core import EngineCore  # noqa: E402
 from deepinfer.models.tiny import flash4_config, init_random, mini_config, tiny_config  # noqa: E402
 
 
@@ -56,23 +57,34 @@ def tiny_sizes() -> dict:
             "flash4": lambda: tiny_config(hidden_size=96, n_routed_experts=16, num_experts_per_tok=4, **small)}
 
 
-class PrebuiltLLM(LLM):
-    """The engine over a model built in memory: ``init_model`` runs as usual with the
+class PrebuiltCore(EngineCore):
+    """An engine core over a model built in memory: ``init_model`` runs as usual with the
     checkpoint load replaced by the given model (flash4 would need 55 GB on disk)."""
+
+    def __init__(self, prebuilt: torch.nn.Module, config_dir: str, **kwargs: object) -> None:
+        self._prebuilt = prebuilt
+        super().__init__(config_dir, **kwargs)
+
+    def init_model(self) -> None:
+        import deepinfer.engine.core as core_module
+
+        original = core_module.load_model
+        core_module.load_model = lambda *a, **k: self._prebuilt
+        try:
+            super().init_model()
+        finally:
+            core_module.load_model = original
+
+
+class PrebuiltLLM(LLM):
+    """`LLM` over a `PrebuiltCore`."""
 
     def __init__(self, model: torch.nn.Module, config_dir: str, **kwargs: object) -> None:
         self._prebuilt = model
         super().__init__(config_dir, **kwargs)
 
-    def init_model(self) -> None:
-        import deepinfer.llm as llm_module
-
-        original = llm_module.load_model
-        llm_module.load_model = lambda *a, **k: self._prebuilt
-        try:
-            super().init_model()
-        finally:
-            llm_module.load_model = original
+    def make_core(self, model: str | None, tokenizer: str | None, **kwargs: object) -> EngineCore:
+        return PrebuiltCore(self._prebuilt, model, **kwargs)
 
 
 def build(cfg, device: str, seed: int = 0) -> torch.nn.Module:

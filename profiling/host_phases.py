@@ -55,7 +55,7 @@ def instrument() -> None:
     from deepinfer.engine.scheduler import Scheduler
     from deepinfer.engine.token_buffer import DeviceTokenBuffer
     from deepinfer.engine.transfer import ResultCopier
-    from deepinfer.llm import LLM
+    from deepinfer.engine.core import EngineCore
     from deepinfer.metrics import MetricsCollector
     from deepinfer.models.fast.runner import FastPath
 
@@ -68,7 +68,7 @@ def instrument() -> None:
         (SamplingTensors, "from_params", "  SamplingTensors.from_params"), (Sampler, "sample", "  Sampler.sample"),
         (DeviceTokenBuffer, "record", "  token_buffer.record"), (ResultCopier, "start", "  ResultCopier.start"),
         (AsyncStepLoop, "_apply", "apply (collect + update)"), (ModelRunner, "collect", "  collect"),
-        (Scheduler, "update", "  scheduler.update"), (LLM, "_after_update", "  after_update"),
+        (Scheduler, "update", "  scheduler.update"), (EngineCore, "process_outputs", "  process_outputs"),
         (MetricsCollector, "record_step", "metrics.record_step"),
     ]:
         wrap(owner, attr, label)

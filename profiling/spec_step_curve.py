@@ -83,7 +83,7 @@ def roofline(costs: tuple, layers: int, rows: int, seconds: float) -> dict:
 
 def timed_step(llm: LLM) -> float:
     t = time.perf_counter()
-    llm.step({})
+    llm.step()
     if llm.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - t
@@ -100,7 +100,7 @@ def measure_batch(llm: LLM, batch: int, max_v: int, steps: int, deadline: float,
     rows: list[dict] = []
     try:
         while sched.waiting or any(r.num_output_tokens == 0 for r in reqs):  # prefill (chunks) until all decode
-            llm.step({})
+            llm.step()
         for v in range(1, max_v + 1):
             if time.perf_counter() > deadline:
                 break

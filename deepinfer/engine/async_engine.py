@@ -33,7 +33,10 @@ Compositions:
   uses (REFERENCE.md sections 3 and 8), and the one that keeps verification lossless.
 * The GPU fast path reads decode input ids from the device batch (already gathered), so
   it composes as is. Data-parallel / expert-parallel ranks keep the synchronous loop
-  (``LLM.async_fallback`` says why).
+  (``EngineCore.async_fallback`` says why).
+
+Grammar advance, detokenization and stop strings after each update are the core's
+(``EngineCore.process_outputs``); :meth:`AsyncStepLoop.step` returns their deltas.
 """
 
 from __future__ import annotations
@@ -49,8 +52,8 @@ from deepinfer.engine.request import PLACEHOLDER_TOKEN_ID
 from deepinfer.engine.token_buffer import DeviceTokenBuffer
 from deepinfer.profiling.markers import SCHEDULE, UPDATE, phase
 
-# `llm` is a deepinfer.llm.LLM; not imported, not even for type checking: deepinfer.llm builds this module's
-# objects, and an import back would close an import cycle (tests/test_import_cycles.py)
+# `core` is a deepinfer.engine.core.EngineCore; not imported, not even for type checking: the core builds
+# this module's objects, and an import back would close an import cycle (tests/test_import_cycles.py)
 
 __all__ = ["AsyncScheduler", "AsyncStats", "AsyncStepLoop", "DeviceTokenBuffer"]
 
@@ -77,17 +80,18 @@ class _InFlight:
 
 
 class AsyncStepLoop:
-    """``LLM.step`` in async mode: at most one step in flight between calls."""
+    """``EngineCore.step`` in async mode: at most one step in flight between calls."""
 
-    def __init__(self, llm: Any, debug: bool = False) -> None:
-        self.llm = llm
-        self.scheduler = AsyncScheduler(llm.scheduler)
-        self.tokens = DeviceTokenBuffer(llm.config.max_num_seqs, llm.runner.device, debug=debug)
-        llm.runner.token_buffer = self.tokens
-        self.spec = llm.runner.spec
+    def __init__(self, core: Any, debug: bool = False) -> None:
+        self.core = core
+        self.scheduler = AsyncScheduler(core.scheduler)
+        self.tokens = DeviceTokenBuffer(core.config.max_num_seqs, core.runner.device, debug=debug)
+        core.runner.token_buffer = self.tokens
+        self.spec = core.runner.spec
         self.stats = AsyncStats()
         self._pending: _InFlight | None = None
         self._records: list[tuple[SchedulerOutput, list, float]] = []  # applied, for metrics at step end
+        self._deltas: list = []  # StreamDeltas of the steps applied during one step() call
 
     @property
     def busy(self) -> bool:
@@ -98,36 +102,39 @@ class AsyncStepLoop:
         """Steps that could not be planned before the previous one landed."""
         return self.stats.speculative_syncs
 
-    def step(self, detoks: dict, bar: Any = None) -> None:
-        llm = self.llm
+    def step(self) -> list:
+        """Schedule and launch the next step, land the previous one; the landed steps' deltas."""
+        core = self.core
         t_start = time.perf_counter()
-        llm.structured.admit_ready(llm.scheduler)
+        core.structured.admit_ready(core.scheduler)
         if self._pending is not None and self.spec is not None:
             self.stats.speculative_syncs += 1
-            self._apply(detoks, bar)
+            self._apply()
         with phase(SCHEDULE):
             so = self.scheduler.schedule()
         self.stats.steps += 1
-        step = llm.runner.launch(so)  # on a GPU: enqueued behind step N, nothing waits here
+        step = core.runner.launch(so)  # on a GPU: enqueued behind step N, nothing waits here
         if self._pending is not None:
             self.stats.overlapped += 1
             if self._mask_needs_pending(so):
                 self.stats.grammar_waits += 1
-                self._apply(detoks, bar)  # N's tokens reach the matchers while N+1's forward runs
-        llm.runner.sample(step, llm.structured.batch(so))
+                self._apply()  # N's tokens reach the matchers while N+1's forward runs
+        core.runner.sample(step, core.structured.batch(so))
         self._check_hooks(so)
         prev, self._pending = self._pending, _InFlight(so, step, t_start)
         if prev is not None:
-            self._apply(detoks, bar, prev)
+            self._apply(prev)
         if so.is_empty:  # nothing runs after it: land it now (carries finished / preempted ids)
-            self._apply(detoks, bar, record=False)
+            self._apply(record=False)
         for record in self._records:  # once per call, at its end: the profiler's step boundary
-            llm.metrics.record_step(*record)
+            core.metrics.record_step(*record)
         self._records.clear()
+        deltas, self._deltas = self._deltas, []
+        return deltas
 
     def _mask_needs_pending(self, so: SchedulerOutput) -> bool:
         """A constrained request samples in ``so`` and its previous token is still in flight."""
-        grammars = self.llm.structured.grammars
+        grammars = self.core.structured.grammars
         if not any(r.needs_sample and r.req_id in grammars for r in so.scheduled):
             return False
         in_flight = {r.req_id for r in self._pending.so.scheduled if r.needs_sample}  # type: ignore[union-attr]
@@ -145,20 +152,20 @@ class AsyncStepLoop:
             raise RuntimeError("async scheduling: the runner did not record its samples in the device "
                                "token buffer, so the next step's placeholders would read stale tokens")
 
-    def _apply(self, detoks: dict, bar: Any, item: _InFlight | None = None, record: bool = True) -> None:
+    def _apply(self, item: _InFlight | None = None, record: bool = True) -> None:
         """Collect a step, update the scheduler, advance grammars / detokenize / stop strings."""
         if item is None:
             item, self._pending = self._pending, None
         assert item is not None
-        llm = self.llm
+        core = self.core
         t_wait = time.perf_counter()
-        out = llm.runner.collect(item.step)
+        out = core.runner.collect(item.step)
         self.stats.wait_s += time.perf_counter() - t_wait
         with phase(UPDATE):
             touched = self.scheduler.update(item.so, out)
             if self.spec is not None:  # drafts for the next step go to running requests
-                self.spec.attach(llm.scheduler, llm.structured)
-        llm._after_update(touched, detoks, bar)
+                self.spec.attach(core.scheduler, core.structured)
+        self._deltas.extend(core.process_outputs(touched))
         if record:
             self._records.append((item.so, touched, item.t_start))
 
@@ -167,8 +174,9 @@ class AsyncStepLoop:
         item, self._pending = self._pending, None
         self.scheduler.inflight = None
         self._records.clear()
+        self._deltas.clear()
         if item is not None:
             try:
-                self.llm.runner.collect(item.step)
+                self.core.runner.collect(item.step)
             except BaseException:
                 pass

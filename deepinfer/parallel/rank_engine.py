@@ -1,8 +1,8 @@
 """One data-parallel attention rank that holds its expert-parallel share of the experts.
 
-A `RankLLM` is an `LLM` with its own scheduler, KV cache and requests, whose MoE layers
+A `RankLLM` is an `LLM` over a `RankEngineCore` with its own scheduler, KV cache and requests, whose MoE layers
 are `ExpertParallelMoE` over the group. Ranks step in lockstep: every step starts with
-an all-reduce of "has work" flags (`_keep_stepping`), and a rank with nothing scheduled
+an all-reduce of "has work" flags (`has_unfinished`), and a rank with nothing scheduled
 runs a dummy batch of zero tokens through the MoE layers so every all-to-all matches.
 EPLB steps (and rebalances) inside `execute`, so every rank counts the same steps.
 
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from deepinfer.engine.core import EngineCore
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.errors import DeepInferError, InvalidRequestError
 from deepinfer.llm import LLM
@@ -27,7 +28,7 @@ from deepinfer.parallel.expert_parallel import ExpertParallelMoE
 from deepinfer.parallel.placement import ExpertPlacement, PlacementError
 from deepinfer.sampling_params import SamplingParams
 
-__all__ = ["RankLLM", "PeerRejectedError"]
+__all__ = ["RankEngineCore", "RankLLM", "PeerRejectedError"]
 
 
 class PeerRejectedError(DeepInferError):
@@ -38,7 +39,7 @@ class _LockstepRunner:
     """Wraps the engine's runner: EPLB step bookkeeping around every execute, and a dummy
     MoE pass when this rank has nothing scheduled."""
 
-    def __init__(self, inner: Any, engine: RankLLM) -> None:
+    def __init__(self, inner: Any, engine: RankEngineCore) -> None:
         self.inner, self.engine = inner, engine
 
     def execute(self, so: SchedulerOutput, *args: Any, **kwargs: Any) -> ModelRunnerOutput:
@@ -58,8 +59,8 @@ class _LockstepRunner:
         return getattr(self.inner, name)
 
 
-class RankLLM(LLM):
-    """An `LLM` that is one rank of a data-parallel + expert-parallel group."""
+class RankEngineCore(EngineCore):
+    """An `EngineCore` that is one rank of a data-parallel + expert-parallel group."""
 
     #: every rank must run the same collectives per step (has-work all-reduce, dummy MoE
     #: passes, EPLB steps inside execute): ranks keep the synchronous loop
@@ -104,8 +105,8 @@ class RankLLM(LLM):
         self.runner = _LockstepRunner(self.runner, self)
 
     # ---- lockstep ----------------------------------------------------------------------
-    def _keep_stepping(self) -> bool:
-        local = super()._keep_stepping()
+    def has_unfinished(self) -> bool:
+        local = super().has_unfinished()
         if self.comm.world_size == 1:
             return local
         flag = torch.tensor([1 if local else 0], dtype=torch.int64, device=self.device)
@@ -119,6 +120,13 @@ class RankLLM(LLM):
         for layer in self.ep_layers:
             layer(x, ids)
 
+
+class RankLLM(LLM):
+    """An `LLM` over a `RankEngineCore` (``comm``, ``eplb`` ... read through to the core)."""
+
+    def make_core(self, model: str | None, tokenizer: str | None, **kwargs: Any) -> EngineCore:
+        return RankEngineCore(model, tokenizer, **kwargs)
+
     def generate_rank(self, prompts: Sequence[str] | None = None,
                       sampling_params: Sequence[SamplingParams] | None = None,
                       prompt_token_ids: Sequence[Sequence[int]] | None = None,
@@ -128,12 +136,12 @@ class RankLLM(LLM):
         the verdicts exchanged, so a bad prompt anywhere fails everywhere before any step."""
         error: Exception | None = None
         try:
-            items = self._prompts(prompts, prompt_token_ids)
+            items = self.engine.encode_prompts(prompts, prompt_token_ids)
             params = list(sampling_params) if sampling_params is not None else [SamplingParams() for _ in items]
             if len(params) != len(items) or not all(isinstance(p, SamplingParams) for p in params):
                 raise InvalidRequestError(f"got {len(params)} sampling_params for {len(items)} prompts")
-            self._check_lengths(items)
-            self.structured.check(params)
+            self.engine.check_lengths(items)
+            self.engine.structured.check(params)
         except DeepInferError as exc:
             error = exc
         if self.comm.world_size > 1:
