@@ -370,7 +370,7 @@ def _check_streams(streams: torch.Tensor) -> None:
 
 def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
             hc_eps: float, norm_eps: float, head: bool, prev: tuple | None, norm: tuple | None,
-            pre_in: torch.Tensor | None = None):
+            pre_in: torch.Tensor | None = None, tuning: MhcTuning | None = None):
     check_device(streams)
     _check_streams(streams)
     t, n, d = streams.shape
@@ -384,7 +384,7 @@ def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
             out = out.contiguous()
         post_in, comb_in = post_in.float().contiguous(), comb_in.float().contiguous()
         new = src = torch.empty(t, n, d, dtype=dtype, device=dev)
-    tune = TUNING
+    tune = TUNING if tuning is None else tuning
     np_ = max(16, next_pow2(n))
     rows_split = tune.rows_split
     while rows_split > 32 and d % rows_split:
@@ -443,32 +443,35 @@ def _launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-           hc_eps: float, norm_eps: float, norm: tuple[torch.Tensor, float] | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           hc_eps: float, norm_eps: float, norm: tuple[torch.Tensor, float] | None = None,
+           tuning: MhcTuning | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``mhc.hc_pre`` -> (post [T, N] f32, comb [T, N, N] f32, x [T, D]). ``streams`` may be
     a stride-0 expand over N (the embedding at layer 0). ``norm=(weight, eps)`` returns
-    ``RMSNorm(x)`` instead of x (the sublayer's input norm)."""
-    _, post, comb, x = _launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, None, norm)
+    ``RMSNorm(x)`` instead of x (the sublayer's input norm). ``tuning``: a launch shape
+    other than :data:`TUNING` (batch-invariant mode fixes one for every step size)."""
+    _, post, comb, x = _launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, None, norm, tuning=tuning)
     return post, comb, x
 
 
 def hc_post_pre(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                 fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
-                norm_eps: float, norm: tuple[torch.Tensor, float] | None = None
+                norm_eps: float, norm: tuple[torch.Tensor, float] | None = None, tuning: MhcTuning | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``mhc.hc_post(out, streams, post, comb)`` then ``hc_pre`` of the next sublayer:
-    -> (new streams [T, N, D], post, comb, x)."""
-    return _launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, (out, post, comb), norm)
+    -> (new streams [T, N, D], post, comb, x). ``tuning`` as in :func:`hc_pre`."""
+    return _launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, (out, post, comb), norm, tuning=tuning)
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
             norm_eps: float, norm: tuple[torch.Tensor, float] | None = None,
             prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-            return_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            return_streams: bool = False, tuning: MhcTuning | None = None
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``mhc.hc_head`` -> x [T, D] (``RMSNorm(x)`` with ``norm``); ``prev=(out, post, comb)``
     first applies the last sublayer's ``hc_post``. ``return_streams``: (x, the streams the
-    head collapsed) (the model's final streams, e.g. for an MTP drafter)."""
-    new, _, _, x = _launch(streams, fn, base, scale, 0, hc_eps, norm_eps, True, prev, norm)
+    head collapsed) (the model's final streams, e.g. for an MTP drafter). ``tuning`` as in
+    :func:`hc_pre`."""
+    new, _, _, x = _launch(streams, fn, base, scale, 0, hc_eps, norm_eps, True, prev, norm, tuning=tuning)
     return (x, streams if new is None else new) if return_streams else x
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deepinfer import batch_invariant
+from deepinfer import batch_invariant as bi  # (the runner's ``batch_invariant`` is its flag)
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.sampler import Sampler, SamplingTensors, unpack_greedy
 from deepinfer.engine.transfer import HostResult, ResultCopier, to_device
@@ -61,8 +61,7 @@ class ModelRunner:
         #: record every step's logits through ``sampler.sample`` turn it off
         self.greedy_lane = True
         self.greedy_lane_steps = 0
-        #: Run every step in batch-invariant mode (LLM sets it from EngineConfig.batch_invariant).
-        self.batch_invariant = False
+        self._batch_invariant = False
         self.replay = None  # V4.1 SWA bounded replay (models.bounded_replay.ReplayConfig), set by the engine
         self.spec = None  # speculative decoding (deepinfer.spec.runner.SpecDecoder), set by deepinfer.spec.setup
         #: GPU fast path (deepinfer/models/fast): batched pure-decode steps + CUDA graphs; None = reference
@@ -73,6 +72,27 @@ class ModelRunner:
         #: async scheduling (deepinfer/engine/token_buffer.py): placeholder inputs gathered on the device
         self.token_buffer: DeviceTokenBuffer | None = None
         self.copier = ResultCopier(self.device)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Run every step in batch-invariant mode (the engine sets it from
+        EngineConfig.batch_invariant, before the warm-up). The compiled executors then run
+        the mode's op namespaces (deepinfer/models/fast/invariant.py)."""
+        return self._batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, flag: bool) -> None:
+        from deepinfer.models.fast.invariant import invariant_ops
+
+        self._batch_invariant = bool(flag)
+        for executor in (e for e in (self.fast, self.fast_prefill) if e is not None):
+            default = executor.__dict__.setdefault("default_ops", executor.ops)
+            executor.ops = invariant_ops(default) if flag else default
+
+    def _invariant_decode(self, so: SchedulerOutput) -> bool:
+        """In the mode the decode graphs take steps of one generated token per request
+        (their compressors pool a closing window from the ring after the step's writes)."""
+        return all(r.num_tokens == 1 for r in so.scheduled)
 
     def build_batch(self, so: SchedulerOutput) -> ForwardBatch:
         ids: list[int] = []
@@ -99,7 +119,7 @@ class ModelRunner:
         return self.collect(self.sample(self.launch(so), grammar))
 
     @torch.no_grad()
-    @batch_invariant.scoped  # model, logits and (in sample) the sampler in the runner's mode
+    @bi.scoped  # model, logits and (in sample) the sampler in the runner's mode
     def launch(self, so: SchedulerOutput) -> LaunchedStep:
         """Issue the step's inputs, forward and sampled rows' logits."""
         step = LaunchedStep(so, [i for i, r in enumerate(so.scheduled) if r.needs_sample])
@@ -108,11 +128,12 @@ class ModelRunner:
         with phase(PREPARE_INPUTS):
             batch = self.build_batch(so)
             fast = self.fast
-            if fast is not None and not batch_invariant.enabled() and replay_free(so, self.replay, self.model.cfg):
+            invariant = bi.enabled()
+            if (fast is not None and replay_free(so, self.replay, self.model.cfg)
+                    and (not invariant or self._invariant_decode(so))):
                 batch.decode = fast.prepare(so, batch)  # None unless a pure-decode step
             prefill = None
-            if (batch.decode is None and self.fast_prefill is not None and self.replay is None
-                    and not batch_invariant.enabled()):
+            if batch.decode is None and self.fast_prefill is not None and self.replay is None:
                 prefill = self.fast_prefill.prepare(batch)  # prefill / mixed steps
         seqs = batch.seqs
         last = [seqs[i].offset + seqs[i].length - 1 for i in step.picks]  # the rows that sample
@@ -122,23 +143,30 @@ class ModelRunner:
             if fast_logits is None:
                 rows = (to_device(last, torch.long, self.device) if last
                         else torch.empty(0, dtype=torch.long, device=self.device))
-                if prefill is not None:  # the last hc_post only for those rows
+                if prefill is not None and invariant:  # the decode step's head for those rows
+                    from deepinfer.models.fast.invariant_prefill import prefill_logits
+                    step.logits = prefill_logits(self.model, self.cache, batch.input_ids, prefill, rows)
+                elif prefill is not None:  # the last hc_post only for those rows
                     picked = self.fast_prefill.forward(batch, prefill, rows)
                 else:
                     picked = self.model(batch, self.cache)[rows]
         if step.picks:
             with phase(LOGITS):
-                if fast_logits is None:
+                if step.logits is not None:  # computed with the layers (invariant prefill)
+                    pass
+                elif fast_logits is None:
                     step.logits = self.model.compute_logits(picked)
                 elif last == list(range(fast_logits.shape[0])):
                     step.logits = fast_logits  # a plain decode step: every row samples, in order
-                    step.reduced = fast.reduced
+                    # (the mode's sampler reduces with the same kernel on CUDA only: elsewhere
+                    # the graph's reduction would give other bits than a prefill step's)
+                    step.reduced = fast.reduced if not invariant or fast_logits.is_cuda else None
                 else:
                     step.logits = fast_logits[to_device(last, torch.long, self.device)]
         return step
 
     @torch.no_grad()
-    @batch_invariant.scoped
+    @bi.scoped
     def sample(self, step: LaunchedStep, grammar: StructuredOutputBatch | None = None) -> LaunchedStep:
         """Mask (``grammar``), sample and start copying the results to the host."""
         so = step.so
@@ -186,9 +214,9 @@ class ModelRunner:
     def warmup(self, max_num_seqs: int, max_model_len: int, block_size: int) -> int:
         """Capture the fast path's decode CUDA graphs for these limits up front, largest
         first (compiles its kernels too); returns how many shapes ran (0 off the fast path)."""
-        if self.fast is None or self.spec is not None or self.batch_invariant:
+        if self.fast is None or self.spec is not None:
             return 0
-        with torch.no_grad():
+        with torch.no_grad(), bi.batch_invariant_mode(self.batch_invariant):  # the graphs' mode
             return self.fast.warmup(max_num_seqs, max_model_len, block_size)
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:

@@ -152,7 +152,7 @@ class Sampler:
     ``fused_reduce``: compute each row's argmax and log-sum-exp with one fused kernel
     (``deepinfer_kernels.argmax_lse``) instead of materialising ``log_softmax`` over the
     vocabulary, when no row asks for top log-probs. ``None`` (default): on CUDA logits
-    outside batch-invariant mode, when the kernels import. The kernel's reduction is per
+    (also in batch-invariant mode), when the kernels import. The kernel's reduction is per
     row with a fixed split, so outputs stay batch-invariant; its log-probs differ from
     ``log_softmax``'s by float32 rounding.
     """
@@ -165,9 +165,9 @@ class Sampler:
         """The fused argmax / log-sum-exp function when this step may use it, else None."""
         use = self.fused_reduce
         if use is None:
-            from deepinfer import batch_invariant
-
-            use = raw.is_cuda and not batch_invariant.enabled()
+            # in batch-invariant mode too: its per-row fixed split is what the decode graphs'
+            # greedy lane reduces with, so a token's log-prob has one value whichever step ran it
+            use = raw.is_cuda
         if not use:
             return None
         if self._kernel is None:

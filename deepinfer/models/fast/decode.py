@@ -31,6 +31,7 @@ import torch
 from ..kv_cache import GROUP_CSA, GROUP_HCA, GROUP_SWA
 from ..rope import Rotary
 from .fused_weights import attention_inputs
+from .invariant import compress_decode, is_invariant
 
 
 def kernel_ops(kind: str) -> SimpleNamespace:
@@ -96,6 +97,8 @@ def _inv_freq(rotary: Rotary, device: torch.device) -> torch.Tensor:
 def _compress(ops: Any, comp: torch.nn.Module, kv: torch.Tensor, score: torch.Tensor, meta: DecodeMeta,
               store: Any, inv_freq: torch.Tensor, block_size: int) -> None:
     """``Compressor.forward`` for one new token per request, all requests at once."""
+    if is_invariant(ops):  # entries pooled by the kernel prefill steps use too
+        return compress_decode(ops, comp, kv, score, meta, store, inv_freq, block_size)
     ops.compressor_decode(kv, score, comp.ape, meta.positions, meta.slots, store.ring, store.entries,
                           meta.tables32[store.group], store.tail, comp.norm.weight, comp.norm.eps, inv_freq,
                           comp.ratio, comp.overlap, block_size, row_starts=meta.starts)
@@ -151,9 +154,10 @@ SKINNY_GROUPED_MAX_BYTES = 16 << 20
 
 def grouped_out(wo_a: torch.nn.Module, x: torch.Tensor, ops: Any) -> torch.Tensor:
     """``wo_a(x)`` for x [T, groups, in]: a small dense weight of x's dtype and a small step
-    take one grouped skinny GEMM launch, anything else the module (cuBLAS bmm, FP8 GEMM)."""
+    take one grouped skinny GEMM launch, anything else the module (cuBLAS bmm, FP8 GEMM; in
+    batch-invariant mode its fixed-tile GEMMs)."""
     w = wo_a._parameters.get("weight")
-    if (w is not None and wo_a.quantized is None and x.shape[0] <= SKINNY_GROUPED_MAX_ROWS and w.dtype == x.dtype
+    if (w is not None and not is_invariant(ops) and wo_a.quantized is None and x.shape[0] <= SKINNY_GROUPED_MAX_ROWS and w.dtype == x.dtype
             and w.numel() * w.element_size() <= SKINNY_GROUPED_MAX_BYTES and (w.shape[0] // wo_a.groups) % 16 == 0):
         return ops.skinny_grouped_linear(x, w)
     return wo_a(x)

@@ -21,6 +21,7 @@ import torch
 
 from ..kv_cache import ForwardBatch, KVCache
 from .decode import attention_decode
+from .invariant import is_invariant
 from .moe import moe_forward
 from .moe import supported as moe_supported
 
@@ -107,9 +108,11 @@ def decode_logits(model: Any, batch: ForwardBatch, cache: KVCache,
 
 def head_logits(model: Any, ops: Any, hidden: torch.Tensor) -> torch.Tensor:
     """The LM head over normed hidden rows [R, D] -> float32 logits [R, V] (a dense head
-    and a small step take the skinny GEMM, which writes float32 without a cast)."""
+    and a small step take the skinny GEMM, which writes float32 without a cast; batch-invariant
+    mode keeps the module, whose GEMM tiling does not follow the row count)."""
     w = model.head._parameters.get("weight")
-    if w is not None and model.head.quantized is None and hidden.shape[0] <= SKINNY_HEAD_MAX_ROWS:
+    if (w is not None and not is_invariant(ops) and model.head.quantized is None
+            and hidden.shape[0] <= SKINNY_HEAD_MAX_ROWS):
         return ops.skinny_linear(hidden, w, out_dtype=torch.float32)
     return model.head(hidden).float()
 

@@ -10,8 +10,7 @@ dispatches the quantized GEMM.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-
+from .. import invariant_ops
 from ..linear import Linear
 
 
@@ -42,7 +41,8 @@ def project(owner: torch.nn.Module, key: str, linears: list[Linear], x: torch.Te
     weight = concat_linears(owner, key, linears)
     if weight is None:
         return [lin(x) for lin in linears]
-    return list(F.linear(x, weight).split([lin.out_features for lin in linears], dim=-1))
+    # invariant_ops.linear: F.linear, or in batch-invariant mode the fixed-tile GEMM
+    return list(invariant_ops.linear(x, weight).split([lin.out_features for lin in linears], dim=-1))
 
 
 def attention_inputs(attn: torch.nn.Module, x: torch.Tensor, ops, positions: torch.Tensor, inv_freq: torch.Tensor,

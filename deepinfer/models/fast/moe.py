@@ -113,12 +113,43 @@ def supported(moe: torch.nn.Module) -> bool:
     return isinstance(moe, MoE) and moe.gate.func in ("sqrtsoftplus", "sigmoid") and moe.load_counter is None
 
 
+def _moe_invariant(moe: torch.nn.Module, x: torch.Tensor, input_ids: torch.Tensor, ops: Any,
+                   logits: torch.Tensor | None) -> torch.Tensor:
+    """``moe_forward`` in batch-invariant mode: the gate GEMM at the mode's fixed tiling,
+    the router kernel (per row), and the experts (the shared one stacked last) through
+    ``batch_invariant_moe.routed_experts`` (one tiling, combine in ascending expert id).
+    Checkpoint-byte experts and the torch references run the module (the mode's reference)."""
+    from .. import invariant_ops
+
+    if quantized_experts(moe) is not None or ops.kind != "triton":
+        return moe(x, input_ids)
+    from deepinfer_kernels.batch_invariant_moe import routed_experts
+
+    gate = moe.gate
+    w1, w3, w2 = stacked_experts(moe)
+    fused_shared = w1.shape[0] > moe.n_experts
+    extra = {"extra_id": moe.n_experts} if fused_shared else {}
+    if logits is None:
+        logits = invariant_ops.linear(x, gate.weight)
+    if getattr(gate, "is_hash", False):
+        weights, ids = ops.router(logits, None, gate.top_k, gate.route_scale, gate.normalize, gate.func,
+                                  tid2eid=gate.tid2eid, input_ids=input_ids, **extra)
+    else:
+        weights, ids = ops.router(logits, gate.bias, gate.top_k, gate.route_scale, gate.normalize, gate.func, **extra)
+    out = routed_experts(x, w1, w3, w2, weights, ids, moe.experts[0].limit)
+    if moe.shared_experts is not None and not fused_shared:
+        out = out + moe.shared_experts(x)
+    return out
+
+
 def moe_forward(moe: torch.nn.Module, x: torch.Tensor, input_ids: torch.Tensor, ops: Any,
                 logits: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, hidden] -> [T, hidden]; same math as ``MoE.forward``. ``logits``: the router
     logits when the family computes them its own way (V4.1: float32, over gate_temp);
     default the gate GEMM in x's dtype."""
     gate = moe.gate
+    if getattr(ops, "invariant", False):
+        return _moe_invariant(moe, x, input_ids, ops, logits)
     quantized = quantized_experts(moe)
     w1, w3, w2 = stacked_experts(moe) if quantized is None else (None, None, None)
     fused_shared = w1 is not None and w1.shape[0] > moe.n_experts

@@ -102,10 +102,12 @@ def build_plan(seqs: list[SeqMeta], ratio: int, overlap: bool, ring_len: int, gr
 
 
 def compress_prefill(comp: torch.nn.Module, kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor,
-                     plan: CompressorPlan, store, rotary: Rotary, block_size: int) -> None:
+                     plan: CompressorPlan, store, rotary: Rotary, block_size: int, pool=None) -> None:
     """``Compressor.forward`` for every request of the step, from the step's projections
     kv = ``comp.wkv(x)`` and gate = ``comp.wgate(x)`` [T, coff * dim]; ``store`` a
-    ``CompressorStore``. Writes entries, rings and tails."""
+    ``CompressorStore``. Writes entries, rings and tails. ``pool(kv_src, sc_src)``, when
+    given, writes the closing windows' entries instead of the torch pooling below
+    (batch-invariant mode: fast/invariant_prefill.py)."""
     r, d = comp.ratio, comp.dim
     sc = gate + comp.ape[positions % r]  # float32 scores, as the checkpoint's ape is
     ring = store.ring  # [slots, ring_len, 2, coff * d] float32
@@ -115,7 +117,9 @@ def compress_prefill(comp: torch.nn.Module, kv: torch.Tensor, gate: torch.Tensor
     kv_src = torch.cat([hist[:, 0].to(kv.dtype), kv])
     sc_src = torch.cat([hist[:, 1], sc.float()])
     n_win = plan.win_pos.shape[0]
-    if n_win:
+    if pool is not None:
+        pool(kv_src, sc_src)
+    elif n_win:
         if comp.overlap:  # window w mixes Ca of window w-1 (first half) with its own Cb
             kv_win = kv_src.new_zeros(n_win, 2 * r, d)
             sc_win = sc_src.new_full((n_win, 2 * r, d), float("-inf"))
