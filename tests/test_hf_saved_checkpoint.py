@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from deepinfer import LLM, SamplingParams
 from deepinfer.errors import ConfigError
 from deepinfer.models.loader import CheckpointError, load_model
+from deepinfer.tokenizer import bundled_tokenizer_dir
 
 transformers = pytest.importorskip("transformers")
 NEW_TOKENS = 12
@@ -24,6 +25,8 @@ VOCAB = 512
 LAYER_TYPES = ["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
                "compressed_sparse_attention", "heavily_compressed_attention"]
 MLP_TYPES = ["hash_moe", "hash_moe", "moe", "moe", "moe"]
+#: save_pretrained writes no tokenizer and the vocab is 512: the bundled one, chosen explicitly
+TOKENIZER = str(bundled_tokenizer_dir())
 
 
 def _stable_topk(self, k, dim=-1, largest=True, sorted=True):  # see conftest.stable_topk
@@ -109,7 +112,7 @@ def test_save_pretrained_layout_is_what_the_loader_maps(saved):
 
 def test_greedy_matches_transformers(saved):
     path, prompts, refs = saved
-    llm = LLM(path, dtype="float32", max_model_len=512, max_num_seqs=8)
+    llm = LLM(path, tokenizer=TOKENIZER, dtype="float32", max_model_len=512, max_num_seqs=8)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     for prompt, out, ref in zip(prompts, outs, refs):
@@ -119,10 +122,10 @@ def test_greedy_matches_transformers(saved):
 def test_speculation_needs_an_mtp_stage(saved, monkeypatch):
     path, _, _ = saved
     with pytest.raises(ConfigError, match=r"num_speculative_tokens=2 \(DEEPINFER_USE_NEXTN_DECODE\) needs an MTP"):
-        LLM(path, dtype="float32", max_model_len=512, num_speculative_tokens=2)
+        LLM(path, tokenizer=TOKENIZER, dtype="float32", max_model_len=512, num_speculative_tokens=2)
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")
     with pytest.raises(ConfigError, match="has none .no mtp.* tensors.*DEEPINFER_USE_NEXTN_DECODE=0") as err:
-        LLM(path, dtype="float32", max_model_len=512)
+        LLM(path, tokenizer=TOKENIZER, dtype="float32", max_model_len=512)
     assert err.value.field == "num_speculative_tokens"
 
 
@@ -132,7 +135,7 @@ def test_unknown_tensor_is_named(saved, tmp_path):
     save_file({**tensors, "model.layers.1.attn.bogus.weight": torch.zeros(3)}, f"{path}/model.safetensors")
     with pytest.raises(CheckpointError, match=r"unexpected tensor 'layers\.1\.attn\.bogus\.weight' "
                                               r"\(stored as 'model\.layers\.1\.attn\.bogus\.weight'\)"):
-        LLM(path, dtype="float32", max_model_len=512)
+        LLM(path, tokenizer=TOKENIZER, dtype="float32", max_model_len=512)
 
 
 def test_missing_tensor_is_named(saved, tmp_path):

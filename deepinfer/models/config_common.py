@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, ClassVar
 
@@ -30,6 +31,10 @@ _NON_SCALING_ROPE_KEYS = ("rope_theta", "partial_rotary_factor", "attention_fact
 LEGACY_ALIASES = {"num_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "dim": "hidden_size",
                   "window_size": "sliding_window", "moe_inter_dim": "moe_intermediate_size",
                   "n_activated_experts": "num_experts_per_tok"}
+
+
+#: a real config.json is a few KB; anything past this is refused unread
+MAX_CONFIG_BYTES = 16 * 2**20
 
 
 class ModelConfigError(ConfigError):
@@ -108,12 +113,16 @@ class DeepseekConfigBase:
 def read_config_json(path: str) -> dict[str, Any]:
     """The dict in `config.json` of a checkpoint directory (or the file itself)."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.exists(file):
+    if not os.path.lexists(file):
         raise FileNotFoundError(f"no config.json at {file}")
-    with open(file) as f:
+    st = os.stat(file)  # never open a FIFO (blocks) or a device such as /dev/zero (endless)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_CONFIG_BYTES:
+        raise ModelConfigError(f"{file} must be a regular file of at most {MAX_CONFIG_BYTES} bytes (not a FIFO, "
+                               f"device or directory, also behind a symlink)", field="config.json")
+    with open(file, encoding="utf-8") as f:
         try:
             raw = json.load(f)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ModelConfigError(f"{file} is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise ModelConfigError(f"{file} must hold a JSON object, got {type(raw).__name__}")
@@ -127,14 +136,41 @@ def copy_plain_fields(cfg: Any, text: dict[str, Any], skip: set[str],
     absent; an eos list keeps its first id."""
     for f in fields(cfg):
         if f.name not in skip and text.get(f.name) is not None:
-            setattr(cfg, f.name, text[f.name])
+            setattr(cfg, f.name, _typed(f.name, getattr(cfg, f.name), text[f.name]))
     for old, new in {**LEGACY_ALIASES, **(aliases or {})}.items():
         if text.get(old) is not None and new not in text:
-            setattr(cfg, new, text[old])
+            setattr(cfg, new, _typed(old, getattr(cfg, new), text[old]))
     if isinstance(cfg.eos_token_id, list):
         cfg.eos_token_id = cfg.eos_token_id[0]
     if "qk_rope_head_dim" not in text and text.get("partial_rotary_factor") is not None:
         cfg.qk_rope_head_dim = int(cfg.head_dim * float(text["partial_rotary_factor"]))
+
+
+def _typed(name: str, default: Any, value: Any) -> Any:
+    """``value`` if it has the JSON type of the field's default (an int field takes an int,
+    a float field a number, a bool field a bool, str a str, list a list); else fail naming
+    the key, before any later ``int(...)`` or shape computation trips over it."""
+    if isinstance(default, bool):
+        ok, kind = isinstance(value, bool), "true or false"
+    elif isinstance(default, int):
+        ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
+        if name == "eos_token_id" and isinstance(value, list):  # an eos list keeps its first id
+            ok = bool(value) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            kind = "an integer or a non-empty list of integers"
+    elif isinstance(default, float):
+        if name in COMMON_POSITIVE_FLOATS:
+            return value  # validate_common checks these, with their range
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        kind = "a finite number"
+    elif isinstance(default, str):
+        ok, kind = isinstance(value, str), "a string"
+    elif isinstance(default, list):
+        ok, kind = isinstance(value, list), "a list"
+    else:
+        return value
+    if not ok:
+        fail(f"{name} must be {kind}, got {value!r} ({type(value).__name__})", field=name)
+    return value
 
 
 def _yarn_scaling(params: dict[str, Any], where: str) -> dict[str, Any]:

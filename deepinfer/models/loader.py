@@ -12,15 +12,17 @@ dequantized per call).
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
-from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from deepinfer.errors import DeepInferError
+
+from .checkpoint_files import CheckpointError, open_shard, regular_file, shard_files, shard_headers
 from .checkpoint_layout import official_name
 from .config import DeepseekV4Config
 from .deepseek_v4 import DeepseekV4Model
@@ -28,10 +30,8 @@ from .linear import Linear, QuantizedWeight
 from .quant import infer_block_size
 from .registry import build_model, read_model_config
 
-
-
-class CheckpointError(ValueError):
-    """The checkpoint does not match the architecture its config describes."""
+__all__ = ["CheckpointError", "resolve_model_dir", "shard_files", "iter_tensors", "read_checkpoint", "load_weights",
+           "load_model", "check_config_against_files", "check_finite", "weight_bytes", "materialize_dense_weights"]
 
 
 def resolve_model_dir(model: str | None) -> str:
@@ -41,36 +41,30 @@ def resolve_model_dir(model: str | None) -> str:
         raise CheckpointError("no model given: pass a checkpoint directory or set DEEPINFER_HF_MODEL_DIR")
     if not os.path.isdir(path):
         raise CheckpointError(f"model directory {path!r} does not exist")
-    if not os.path.exists(os.path.join(path, "config.json")):
+    if not os.path.lexists(os.path.join(path, "config.json")):
         raise CheckpointError(f"model directory {path!r} has no config.json")
+    regular_file(os.path.join(path, "config.json"), "config")
     return path
 
 
-def shard_files(path: str) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif os.path.exists(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise CheckpointError(f"no safetensors files in {path!r}")
-    missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
-    if missing:
-        raise CheckpointError(f"checkpoint shards listed in the index are missing: {missing}")
-    return [os.path.join(path, f) for f in files]
+def iter_shard_tensors(path: str, show_progress: bool = False) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(name, tensor, shard file) for every tensor of every shard."""
+    files = shard_files(path)
+    for file in tqdm(files, desc="loading shards", disable=not show_progress):
+        with open_shard(file) as f:
+            for name in f.keys():
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as exc:  # noqa: BLE001 - a truncated data section
+                    raise CheckpointError(f"checkpoint shard {file}: tensor {name!r} cannot be read (truncated "
+                                          f"file?): {exc}") from None
+                yield name, tensor, file
 
 
 def iter_tensors(path: str, show_progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of every shard."""
-    files = shard_files(path)
-    for file in tqdm(files, desc="loading shards", disable=not show_progress):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    for name, tensor, _ in iter_shard_tensors(path, show_progress):
+        yield name, tensor
 
 
 def read_checkpoint(path: str, show_progress: bool = False) -> dict[str, torch.Tensor]:
@@ -78,21 +72,71 @@ def read_checkpoint(path: str, show_progress: bool = False) -> dict[str, torch.T
     `save_pretrained` names mapped: checkpoint_layout.official_name). Two stored tensors
     with one official name are an error naming both."""
     out = CheckpointTensors()
-    for name, tensor in iter_tensors(path, show_progress):
+    for name, tensor, file in iter_shard_tensors(path, show_progress):
         official = official_name(name)
         if official in out:
             raise CheckpointError(f"checkpoint at {path!r} stores {official!r} twice: as "
                                   f"{out.stored_names[official]!r} and as {name!r}")
-        out[official], out.stored_names[official] = tensor, name
+        out[official], out.stored_names[official], out.files[official] = tensor, name, file
     return out
 
 
 class CheckpointTensors(dict):
-    """Tensors by official name; ``stored_names``: official name -> the name in the file."""
+    """Tensors by official name; ``stored_names``: official name -> the name in the file;
+    ``files``: official name -> the shard holding it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.stored_names: dict[str, str] = {}
+        self.files: dict[str, str] = {}
+
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+_EXPERT = re.compile(r"^layers\.\d+\.ffn\.experts\.(\d+)\.")
+
+
+def check_config_against_files(cfg: DeepseekV4Config, path: str) -> None:
+    """Before anything is built: the sizes config.json claims must match the tensors the
+    shard headers declare (vocab / hidden size from the embedding, the layer count, the
+    routed-expert count), so a config with ``hidden_size: 2**20`` or ``n_routed_experts:
+    100000`` fails at once, naming the field and the file, instead of allocating for it."""
+    headers = {official_name(n): v for n, v in shard_headers(shard_files(path)).items()}
+    config = os.path.join(path, "config.json")
+    embed = headers.get("embed.weight")
+    if embed is not None and embed[1] != (cfg.vocab_size, cfg.hidden_size):
+        raise CheckpointError(f"{config}: vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size} imply "
+                              f"embed.weight {(cfg.vocab_size, cfg.hidden_size)}, but {embed[2]} stores "
+                              f"{embed[1]}")
+    layers = {int(m.group(1)) for n in headers if (m := _LAYER.match(n))}
+    if layers and max(layers) + 1 != cfg.num_hidden_layers:
+        raise CheckpointError(f"{config}: num_hidden_layers={cfg.num_hidden_layers}, but the shards hold layers "
+                              f"0..{max(layers)}")
+    experts = {int(m.group(1)) for n in headers if (m := _EXPERT.match(n))}
+    if experts and max(experts) + 1 != cfg.n_routed_experts:
+        raise CheckpointError(f"{config}: n_routed_experts={cfg.n_routed_experts}, but the shards hold experts "
+                              f"0..{max(experts)}")
+
+
+def _nonfinite(t: torch.Tensor) -> int:
+    """How many NaN / Inf values ``t`` holds (FP8 / E8M0 checked on their bit patterns)."""
+    if t.dtype == torch.float8_e4m3fn:  # no inf; NaN is S.1111.111
+        return int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    if getattr(torch, "float8_e8m0fnu", None) is not None and t.dtype == torch.float8_e8m0fnu:
+        return int((t.view(torch.uint8) == 0xFF).sum())
+    if t.is_floating_point():
+        return int((~torch.isfinite(t.float() if t.element_size() < 2 else t)).sum())
+    return 0
+
+
+def check_finite(raw: dict[str, torch.Tensor]) -> None:
+    """Every floating-point checkpoint tensor must be finite (NaN weights would make the
+    model emit one token forever); the error names the tensor and its shard."""
+    for name, t in raw.items():
+        bad = _nonfinite(t)
+        if bad:
+            file = getattr(raw, "files", {}).get(name, "?")
+            raise CheckpointError(f"checkpoint tensor {_named(raw, name)} in {file} holds {bad} NaN/Inf value(s) "
+                                  f"of {t.numel()}; the weights are corrupt")
 
 
 def _named(raw: dict[str, torch.Tensor], name: str) -> str:
@@ -270,9 +314,17 @@ def load_model(model_dir: str | None = None, dtype: str | torch.dtype = "auto", 
                show_progress: bool = False) -> DeepseekV4Model:
     """Build the model described by `model_dir`/config.json and load its weights."""
     path = resolve_model_dir(model_dir)
-    cfg = read_model_config(path)
+    try:
+        cfg = read_model_config(path)
+    except DeepInferError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:  # a value of the wrong type
+        raise CheckpointError(f"{os.path.join(path, 'config.json')}: malformed value "
+                              f"({type(exc).__name__}: {exc})") from None
+    check_config_against_files(cfg, path)  # before anything is built or allocated
     torch_dtype = parse_dtype(dtype, cfg)
     raw = read_checkpoint(path, show_progress)
+    check_finite(raw)
     cfg = without_absent_mtp(cfg, raw)
     with torch.device("meta"):
         model = build_model(cfg, torch_dtype)
