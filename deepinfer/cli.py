@@ -3,6 +3,8 @@
     deepinfer generate --prompt "Hello" [--model DIR] [--max-tokens 32] [--temperature 0]
     deepinfer write-tiny OUT_DIR [--seed 0] [--quantize]
     deepinfer config            # print the resolved engine configuration and the DEEPINFER_* variables set
+    deepinfer serve [--model DIR] [--host 127.0.0.1] [--port 8000] [engine args]   # OpenAI-compatible server
+    deepinfer bench serve --base-url URL [--request-rate R|inf] [--max-concurrency C] ...
 """
 
 from __future__ import annotations
@@ -53,6 +55,16 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from deepinfer.serve.server import serve
+    return serve(args)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from deepinfer.serve.bench import run_cli
+    return run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-V4 inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=_write_tiny)
     cfg = sub.add_parser("config", help="print the engine configuration resolved from the environment")
     cfg.set_defaults(func=_config)
+    from deepinfer.serve.bench import add_bench_arguments
+    from deepinfer.serve.server import add_serve_arguments
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, SSE, /metrics)")
+    add_serve_arguments(srv)
+    srv.set_defaults(func=_serve)
+    bench = sub.add_parser("bench", help="benchmarks against a running server").add_subparsers(
+        dest="bench", required=True)
+    bs = bench.add_parser("serve", help="open-loop load test of a server: TTFT/TPOT/ITL/e2e percentiles, goodput")
+    add_bench_arguments(bs)
+    bs.set_defaults(func=_bench_serve)
     # listed for --help only: main() hands `eval ...` to deepinfer.eval.cli before parsing
     sub.add_parser("eval", help="offline benchmarks: `deepinfer eval generate|score` (see --help there)")
     return parser

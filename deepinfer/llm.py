@@ -20,7 +20,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from deepinfer.engine.core import EngineCore
-from deepinfer.engine.inputs import expand_sampling_params
+from deepinfer.engine.admission import admit_generate
 from deepinfer.engine.output_processor import StreamDelta
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -77,11 +77,8 @@ class LLM:
         Every input is validated before any request is queued, so a bad one raises a
         clear InvalidRequestError and leaves the engine serving."""
         core = self.engine
-        items = core.encode_prompts(prompts, prompt_token_ids)
-        params = expand_sampling_params(sampling_params, len(items))
-        params = [p.for_request() for p in params]  # unseeded params: a fresh seed per request
-        core.check_lengths(items)
-        core.structured.check(params)  # bad / unsupported grammars raise here, before anything is queued
+        # the whole call validated before anything is queued (deepinfer/engine/admission.py)
+        items, params = admit_generate(core, prompts, sampling_params, prompt_token_ids)
         ids: list[str] = []
         bar = tqdm(total=len(items), desc="generate", disable=not use_tqdm)
         try:

@@ -27,7 +27,6 @@ from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.output_processor import OutputProcessor, StreamDelta
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
-from deepinfer.errors import InvalidRequestError
 from deepinfer.metrics import MetricsCollector
 from deepinfer.models.bounded_replay import ReplayConfig
 from deepinfer.models.default_model import resolve_model
@@ -127,56 +126,11 @@ class EngineCore:
             from deepinfer.engine.async_engine import AsyncStepLoop
             self.async_loop = AsyncStepLoop(self)
 
-    # ---- input checks (nothing is queued until every input of a call passed) ------------
-    def encode_prompts(self, prompts: str | Sequence[str] | None,
-                       prompt_token_ids: Sequence[Sequence[int]] | Sequence[int] | None
-                       ) -> list[tuple[str | None, list[int]]]:
-        """(text, ids) per prompt; raises InvalidRequestError naming the bad prompt."""
-        if (prompts is None) == (prompt_token_ids is None):
-            raise InvalidRequestError("generate() needs exactly one of prompts or prompt_token_ids")
-        vocab = self.model_config.vocab_size
-        if prompts is not None:
-            items = [prompts] if isinstance(prompts, str) else list(prompts)
-            for i, p in enumerate(items):
-                if not isinstance(p, str):
-                    raise InvalidRequestError(f"prompts[{i}] must be a str, got {type(p).__name__}")
-                if p == "":
-                    raise InvalidRequestError(f"prompts[{i}] is empty; a prompt needs at least one character")
-            encoded = [(p, self.tokenizer.encode(p)) for p in items]
-            for i, (_, ids) in enumerate(encoded):
-                if max(ids) >= vocab:
-                    raise InvalidRequestError(
-                        f"prompts[{i}] tokenizes to ids >= the model's vocab_size {vocab}; the tokenizer "
-                        f"({self.tokenizer.vocab_size} tokens) does not match this checkpoint")
-            return encoded
-        ids = list(prompt_token_ids)
-        if ids and all(isinstance(t, int) for t in ids):
-            ids = [ids]
-        out = []
-        for i, seq in enumerate(ids):
-            seq = list(seq)
-            if not seq:
-                raise InvalidRequestError(f"prompt_token_ids[{i}] is empty; a prompt needs at least one token")
-            bad = [t for t in seq if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt_token_ids[{i}] has token ids outside [0, {vocab}): {bad[:5]}")
-            out.append((None, seq))
-        return out
-
-    def check_lengths(self, prompts: list[tuple[str | None, list[int]]]) -> None:
-        limit = self.config.max_model_len
-        for i, (_, ids) in enumerate(prompts):
-            if len(ids) >= limit:
-                raise InvalidRequestError(
-                    f"prompt {i} has {len(ids)} tokens; the model's context (max_model_len) is {limit}, "
-                    f"so prompts must have at most {limit - 1} tokens")
-
     # ---- the four verbs ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                     prompt: str | None = None, stream: bool = False) -> Request:
-        """Queue one request whose inputs were checked (``encode_prompts``, ``check_lengths``,
-        ``structured.check``); ``sampling_params`` already resolved with ``for_request()``."""
+        """Queue one request whose inputs were checked (`deepinfer.engine.admission.admit_generate`);
+        ``sampling_params`` already resolved with ``for_request()`` (a concrete seed)."""
         req = Request(request_id, prompt_token_ids, sampling_params, eos_token_id=self.eos_token_id)
         self.outputs.add(req, prompt, stream)
         try:

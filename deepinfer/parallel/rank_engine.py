@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from deepinfer.engine.admission import admit_generate
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.errors import DeepInferError, InvalidRequestError
@@ -136,14 +137,12 @@ class RankLLM(LLM):
         the verdicts exchanged, so a bad prompt anywhere fails everywhere before any step."""
         error: Exception | None = None
         try:
-            items = self.engine.encode_prompts(prompts, prompt_token_ids)
-            params = list(sampling_params) if sampling_params is not None else [SamplingParams() for _ in items]
-            if len(params) != len(items) or not all(isinstance(p, SamplingParams) for p in params):
-                raise InvalidRequestError(f"got {len(params)} sampling_params for {len(items)} prompts")
-            self.engine.check_lengths(items)
-            self.engine.structured.check(params)
+            _, params = admit_generate(self.engine, prompts, sampling_params, prompt_token_ids)
         except DeepInferError as exc:
             error = exc
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the verdict exchange below
+            error = InvalidRequestError(f"rank {self.comm.rank} could not admit its share of this generate() "
+                                        f"call: {type(exc).__name__}: {exc}")
         if self.comm.world_size > 1:
             flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=self.device)
             if self.comm.all_reduce(flag, "max").item() and error is None:

@@ -1,0 +1,226 @@
+"""`deepinfer serve` driven with the official `openai` client on the embedded default model
+(CPU): chat, streaming, completions, json_schema, 200 concurrent streams equal to
+`LLM.generate`, disconnect, malformed bodies, auth, 503 under overload. One server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from serve_common import ENGINE, metric, serve
+
+KEY = "sk-test-deepinfer"
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    with serve("--api-key", KEY, "--max-waiting", "240") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from deepinfer import LLM
+
+    return LLM(**ENGINE)
+
+
+def test_models_health_metrics(base_url, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["deepinfer-tiny"]
+    assert httpx.get(base_url + "/health").json() == {"status": "ok"}
+    page = httpx.get(base_url + "/metrics").text
+    for name in ("deepinfer:time_to_first_token_seconds_bucket", "deepinfer:num_requests_running",
+                 "deepinfer:kv_cache_usage_perc", "deepinfer:prefix_cache_hit_rate",
+                 "deepinfer:num_preemptions_total", "deepinfer:spec_decode_draft_acceptance_rate"):
+        assert name in page
+
+
+def test_completions_equal_generate(client, llm):
+    from deepinfer import SamplingParams
+
+    r = client.completions.create(model="deepinfer-tiny", prompt="Once upon a time", max_tokens=12, seed=7,
+                                  temperature=0.8, logprobs=2)
+    ref = llm.generate(["Once upon a time"], SamplingParams(max_tokens=12, seq_seed=7, temperature=0.8,
+                                                            top_logprobs=2), use_tqdm=False)[0]
+    choice = r.choices[0]
+    assert choice.text == ref.text and r.usage.completion_tokens == len(ref.token_ids)
+    tok = llm.tokenizer
+    assert choice.logprobs.tokens == [tok.decode([t], skip_special_tokens=False) for t in ref.token_ids]
+    assert choice.logprobs.token_logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+    assert all(len(t) == 2 for t in choice.logprobs.top_logprobs)
+
+
+def test_chat_stream_equals_nonstream_with_usage(client):
+    kw = dict(model="deepinfer-tiny", messages=[{"role": "user", "content": "Say hello"}], max_tokens=10,
+              temperature=0, extra_body={"thinking": {"type": "disabled"}})
+    full = client.chat.completions.create(**kw)
+    assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_thinking_and_n(client):
+    r = client.chat.completions.create(model="deepinfer-tiny", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=6, n=3, seed=11, temperature=1.0)
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 18
+    # thinking is on by default: the recipe splits reasoning from the answer
+    assert all(c.message.model_extra.get("reasoning_content") is not None for c in r.choices)
+
+
+def test_json_schema(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="deepinfer-tiny", messages=[{"role": "user", "content": "A person as JSON"}], max_tokens=60,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        extra_body={"thinking": {"type": "disabled"}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_200_concurrent_streams_equal_generate(base_url, llm):
+    from deepinfer import SamplingParams
+
+    prompts = [f"Story {i}" for i in range(200)]
+
+    async def one(http: httpx.AsyncClient, i: int) -> str:
+        body = {"model": "deepinfer-tiny", "prompt": prompts[i], "max_tokens": 4, "seed": 1000 + i,
+                "temperature": 1.0, "stream": True}
+        text = ""
+        async with http.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def run() -> list[str]:
+        oa = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=KEY, max_retries=0)
+
+        async def official(i: int) -> str:  # the official client, streaming
+            stream = await oa.completions.create(model="deepinfer-tiny", prompt=prompts[i], max_tokens=4,
+                                                 seed=1000 + i, temperature=1.0, stream=True)
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+
+        async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {KEY}"},
+                                     timeout=120, limits=httpx.Limits(max_connections=None)) as http:
+            tasks = [official(i) if i % 2 == 0 else one(http, i) for i in range(200)]
+            try:
+                return await asyncio.gather(*tasks)
+            finally:
+                await oa.close()
+
+    got = asyncio.run(run())
+    ref = llm.generate(prompts, [SamplingParams(max_tokens=4, seq_seed=1000 + i, temperature=1.0)
+                                 for i in range(200)], use_tqdm=False)
+    assert got == [o.text for o in ref]
+
+
+def test_disconnect_aborts_and_frees_blocks(base_url):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "deepinfer-tiny", "prompt": "Tell me everything", "max_tokens": 200, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=base_url, headers=headers, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")
+            page = http.get("/metrics").text
+            assert metric(page, "deepinfer:num_requests_running") == 1
+            assert metric(page, "deepinfer:kv_cache_usage_perc") > 0
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            page = http.get("/metrics").text
+            if metric(page, "deepinfer:kv_cache_usage_perc") == 0:
+                break
+            time.sleep(0.05)
+        assert metric(page, "deepinfer:num_requests_running") == 0
+        assert metric(page, "deepinfer:kv_cache_usage_perc") == 0
+        assert 'finished_reason="abort"' in page
+
+
+@pytest.mark.parametrize("body,param", [
+    (b"{not json", "body"), (b"[1, 2]", "body"),
+    ({"prompt": "x", "max_tokens": "abc"}, "max_tokens"), ({"prompt": "x", "temperature": 5}, "temperature"),
+    ({"prompt": "x", "n": 0}, "n"), ({"prompt": "x", "stop": [1]}, "stop"), ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "x", "logprobs": 50}, "logprobs"), ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "stream": "yes"}, "stream"), ({"prompt": "x", "stream_options": {"include_usage": True}},
+                                                   "stream_options"),
+    ({"prompt": [999999]}, "prompt_token_ids"), ({"prompt": "x", "max_tokens": 10**6}, "max_tokens"),
+])
+def test_malformed_completions_bodies(base_url, client, body, param):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(base_url + "/v1/completions", content=data, headers=headers)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and param in err["message"]
+    assert client.completions.create(model="deepinfer-tiny", prompt="ok", max_tokens=1).choices[0].finish_reason
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": "hi"}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}, "model"),
+])
+def test_malformed_chat_bodies(base_url, body, param):
+    r = httpx.post(base_url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_auth_and_body_limit(base_url):
+    body = {"prompt": "x", "max_tokens": 1}
+    assert httpx.post(base_url + "/v1/completions", json=body).status_code == 401
+    wrong = httpx.post(base_url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base_url + "/v1", api_key="nope", max_retries=0).models.list()
+    huge = httpx.post(base_url + "/v1/completions", content=b"x" * (5 * 2**20),
+                      headers={"Authorization": f"Bearer {KEY}"})
+    assert huge.status_code == 413 and huge.json()["error"]["param"] == "body"
+    assert httpx.get(base_url + "/health").status_code == 200  # no key needed outside /v1
+
+
+def test_overload_answers_503_with_retry_after(base_url, client):
+    """400 streams at once on 64 sequence slots and --max-waiting 240: the excess gets 503 with
+    Retry-After at once; the streams that got in are held open until every answer arrived,
+    then closed (which aborts them), and the server still serves."""
+    async def run() -> list[tuple[int, str | None]]:
+        answers: list[tuple[int, str | None]] = []
+        all_in = asyncio.Event()
+        body = {"model": "deepinfer-tiny", "prompt": "Load", "max_tokens": 200, "ignore_eos": True, "stream": True}
+
+        async def one(http: httpx.AsyncClient) -> None:
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                answers.append((r.status_code, r.headers.get("retry-after")))
+                if r.status_code == 503:
+                    assert json.loads(await r.aread())["error"]["code"] == "overloaded"
+                if len(answers) == 400:
+                    all_in.set()
+                await all_in.wait()
+
+        async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                                     limits=httpx.Limits(max_connections=None)) as http:
+            await asyncio.wait_for(asyncio.gather(*(one(http) for _ in range(400))), 60)
+        return answers
+
+    answers = asyncio.run(run())
+    codes = [c for c, _ in answers]
+    assert set(codes) == {200, 503} and codes.count(200) >= 240, (codes.count(200), codes.count(503))
+    assert all(retry == "1" for c, retry in answers if c == 503)
+    assert client.completions.create(model="deepinfer-tiny", prompt="after", max_tokens=2).usage.completion_tokens
