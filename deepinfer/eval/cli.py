@@ -38,9 +38,14 @@ def parse_engine_args(pairs: list[str]) -> dict[str, Any]:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from deepinfer import LLM, SamplingParams
     from deepinfer.eval.runner import generate_eval
 
+    if Path(args.out).is_dir():  # before the engine loads (generate_eval checks it too)
+        raise ValueError(f"--out {args.out} is a directory; give the generation file to write, e.g. "
+                         f"{Path(args.out) / (args.benchmark + '.jsonl')}")
     llm = LLM(args.model, **parse_engine_args(args.engine))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     res = generate_eval(llm, args.benchmark, args.data, args.out, params, seed=args.seed,

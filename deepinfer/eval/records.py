@@ -4,10 +4,16 @@ One JSON object per line, one line per benchmark item. A crash can leave at most
 partial last line (records are appended, flushed and fsynced one at a time); reading
 drops such a tail and rewrites the file atomically (temp file + ``os.replace``), so the
 next append starts on a clean line and no record is duplicated or lost.
+
+One writer per file: :func:`exclusive` holds an advisory ``flock`` on ``<out>.lock`` for
+a whole run, so a second run on the same ``--out`` fails at once instead of writing the
+same items again (the lock is a side file because repairs replace the JSONL itself).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -15,9 +21,31 @@ import subprocess
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+from collections.abc import Iterator
 from typing import IO, Any
 
-__all__ = ["read_records", "append_record", "git_commit", "jsonable"]
+__all__ = ["read_records", "append_record", "git_commit", "jsonable", "exclusive", "OutputLockedError"]
+
+
+class OutputLockedError(ValueError):
+    """Another run holds the output file's lock."""
+
+
+@contextlib.contextmanager
+def exclusive(path: str | Path) -> Iterator[None]:
+    """Hold the advisory lock of the generation file ``path`` (``<path>.lock``) while the
+    block runs; OutputLockedError at once when another process holds it."""
+    lock = Path(str(path) + ".lock")
+    with open(lock, "a", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputLockedError(f"{path} is being written by another run (it holds {lock}); wait for it to "
+                                    f"finish or write to another file") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from deepinfer.chat.outputs import ChatOutput
 from deepinfer.chat.runner import replace_sampling_params
 from deepinfer.eval.loaders import EvalItem, load_benchmark
-from deepinfer.eval.records import append_record, git_commit, jsonable, read_records
+from deepinfer.eval.records import append_record, exclusive, git_commit, jsonable, read_records
 from deepinfer.sampling_params import SamplingParams
 
 __all__ = ["GenerateResult", "generate_eval", "item_seed", "ResumeMismatchError", "DEFAULT_EVAL_PARAMS"]
@@ -79,9 +79,14 @@ def _sampling_dict(params: SamplingParams) -> dict[str, Any]:
 
 def _check_resume(existing: list[dict[str, Any]], run: dict[str, Any], out_path: Path) -> None:
     for rec in existing:
-        diff = [k for k in _RUN_KEYS if k in rec and rec[k] != run[k]]
+        diff = [k for k in (*_RUN_KEYS, "engine_config") if k in rec and k in run and rec[k] != run[k]]
         if diff:
             theirs, ours = {k: rec[k] for k in diff}, {k: run[k] for k in diff}
+            if "engine_config" in diff:  # name the engine fields, not two whole configs
+                keys = sorted(k for k in {*rec["engine_config"], *run["engine_config"]}
+                              if rec["engine_config"].get(k) != run["engine_config"].get(k))
+                theirs["engine_config"] = {k: rec["engine_config"].get(k) for k in keys}
+                ours["engine_config"] = {k: run["engine_config"].get(k) for k in keys}
             raise ResumeMismatchError(
                 f"{out_path} holds record {rec.get('id')!r} made with different {diff} "
                 f"(file: {theirs}, this run: {ours}); write to a new file or delete it to start over")
@@ -114,17 +119,29 @@ def generate_eval(llm: Any, benchmark: str, data_path: str | Path, out_path: str
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     out_path = Path(out_path)
+    if out_path.is_dir():
+        raise ValueError(f"--out {out_path} is a directory; give the generation file to write, e.g. "
+                         f"{out_path / (benchmark + '.jsonl')}")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive(out_path):  # one writer per file: a concurrent run fails here, duplicates nothing
+        return _generate_locked(llm, benchmark, data_path, out_path, sampling_params, seed=seed, thinking=thinking,
+                                batch_size=batch_size, limit=limit, use_tqdm=use_tqdm)
+
+
+def _generate_locked(llm: Any, benchmark: str, data_path: str | Path, out_path: Path,
+                     sampling_params: SamplingParams | None, *, seed: int, thinking: bool, batch_size: int,
+                     limit: int | None, use_tqdm: bool) -> GenerateResult:
     items = load_benchmark(benchmark, data_path, seed)[:limit]
     base = sampling_params if sampling_params is not None else DEFAULT_EVAL_PARAMS
     run = {"benchmark": benchmark, "eval_seed": seed, "thinking": thinking,
            "sampling_params": _sampling_dict(base), "model": str(getattr(llm, "model_dir", None))}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    existing = read_records(out_path)
-    _check_resume(existing, run, out_path)
-    done = {str(r["id"]) for r in existing}
-    pending = [it for it in items if it.id not in done]
     provenance = {"engine_config": jsonable({k: v for k, v in dataclasses.asdict(llm.config).items()
                                              if k != "sources"}), "commit": git_commit()}
+    existing = read_records(out_path)
+    # the engine config is recorded per record and must agree on resume (no mixed dtypes)
+    _check_resume(existing, {**run, "engine_config": provenance["engine_config"]}, out_path)
+    done = {str(r["id"]) for r in existing}
+    pending = [it for it in items if it.id not in done]
     result = GenerateResult(str(out_path), len(items), len(items) - len(pending), 0, 0, 0, 0, 0.0)
     bar = tqdm(total=len(items), initial=result.n_existing, desc=f"eval {benchmark}", disable=not use_tqdm)
     with bar, open(out_path, "a", encoding="utf-8") as f:
