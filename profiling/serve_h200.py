@@ -1,0 +1,180 @@
+"""Issue 25's serving targets on one H200: `deepinfer serve` against `LLM.generate` on the same
+`mini` bf16 checkpoint (random weights), same engine arguments, same prompts.
+
+1. Correctness: greedy tokens of a few prompts through /v1/completions equal LLM.generate's.
+2. Saturation: B requests at once (``--batch``, also max_num_seqs) of P prompt + N output
+   tokens (ignore_eos): output tok/s through the server (`deepinfer bench serve`'s client,
+   request rate inf, max concurrency B) over LLM.generate's for the same batch; target >= 0.9x.
+3. Low load: one request at a time (repeated): the server's TTFT and TPOT as the client sees
+   them minus the offline ones (RequestMetrics: first token - arrival; (finished - first) /
+   (n - 1)); targets <= 5 ms TTFT and <= 0.2 ms per output token.
+
+Offline runs first, the engine is freed, then the server starts as a subprocess (each engine
+sizes its KV cache from free memory, so they cannot share the GPU). Writes
+``serve_h200_<commit>.json`` (commit, hardware, config, every number, a ``targets`` list of
+{name, value, target, met}) under $OUT (else profiling/results) and prints a short table.
+
+    python3 profiling/serve_h200.py [--batch 64] [--prompt-len 256] [--new 128] [--tiny]   # --tiny: CPU stand-in
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+
+from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.models.tiny import mini_config, tiny_config, write_tiny_checkpoint  # noqa: E402
+from deepinfer.serve.bench import BenchConfig, run_bench, summarize  # noqa: E402
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=ROOT).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    return [[(seed * 7919 + i * 104729 + 31 * j) % (vocab - 20) + 10 for j in range(length)] for i in range(n)]
+
+
+def offline(ckpt: str, engine: dict, args: argparse.Namespace, vocab: int) -> dict:
+    llm = LLM(ckpt, **engine)
+    check = prompts_for(4, 32, vocab, 1)
+    greedy = [o.token_ids for o in llm.generate(prompt_token_ids=check, sampling_params=SamplingParams(
+        max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)]
+    sp = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
+    batch = prompts_for(args.batch, args.prompt_len, vocab, 2)
+    llm.generate(prompt_token_ids=batch, sampling_params=sp, use_tqdm=False)  # warm-up (compiles, graphs)
+    t = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts_for(args.batch, args.prompt_len, vocab, 3), sampling_params=sp,
+                        use_tqdm=False)
+    wall = time.perf_counter() - t
+    tok_s = sum(len(o.token_ids) for o in outs) / wall
+    ttft, tpot = [], []
+    for i in range(args.low_load_repeats):
+        o = llm.generate(prompt_token_ids=prompts_for(1, args.prompt_len, vocab, 100 + i), sampling_params=sp,
+                         use_tqdm=False)[0]
+        m = o.metrics
+        ttft.append(m.first_token_time - m.arrival_time)
+        tpot.append((m.finished_time - m.first_token_time) / (len(o.token_ids) - 1))
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"greedy": greedy, "saturation_tok_s": tok_s, "saturation_wall_s": wall,
+            "ttft_ms_p50": 1000 * statistics.median(ttft), "tpot_ms_p50": 1000 * statistics.median(tpot)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(ckpt: str, engine: dict, port: int) -> subprocess.Popen:
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
+    proc = subprocess.Popen([sys.executable, "-m", "deepinfer.cli", "serve", "--model", ckpt, "--port", str(port),
+                             "--max-waiting", "100000", *flags], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "deepinfer serve: ready on" in line:
+            return proc
+    raise RuntimeError(f"the server exited with {proc.wait()}")
+
+
+async def served(url: str, args: argparse.Namespace, vocab: int) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        greedy = []
+        for p in prompts_for(4, 32, vocab, 1):
+            r = await http.post("/v1/completions", json={"prompt": p, "max_tokens": 16, "temperature": 0,
+                                                         "ignore_eos": True, "logprobs": 0})
+            greedy.append(r.json()["choices"][0]["logprobs"]["tokens"])
+    base = dict(base_url=url, random_input_len=args.prompt_len, random_output_len=args.new)
+    warm = BenchConfig(num_prompts=args.batch, max_concurrency=args.batch, seed=2, **base)
+    await run_bench(warm)
+    sat = BenchConfig(num_prompts=args.batch, max_concurrency=args.batch, seed=3, **base)
+    res, wall, _ = await run_bench(sat)
+    low = BenchConfig(num_prompts=args.low_load_repeats, max_concurrency=1, seed=100, **base)
+    lres, lwall, _ = await run_bench(low)
+    return {"greedy_token_text": greedy, "saturation": summarize(sat, res, wall), "low_load": summarize(low, lres, lwall)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--low-load-repeats", type=int, default=8)
+    ap.add_argument("--tiny", action="store_true", help="CPU stand-in (tests of this script)")
+    args = ap.parse_args(argv)
+    start = time.time()
+    if args.tiny:
+        cfg, dtype, engine = tiny_config(vocab_size=4096), torch.float32, {"dtype": "float32"}
+    else:
+        cfg, dtype, engine = mini_config(), torch.bfloat16, {"dtype": "bfloat16"}
+    engine |= {"max_num_seqs": args.batch, "max_model_len": args.prompt_len + args.new + 64}
+    hw = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.tiny else "cpu"
+    ckpt = write_tiny_checkpoint(tempfile.mkdtemp(prefix="serve_h200_"), seed=0, cfg=cfg, dtype=dtype)
+    vocab = cfg.vocab_size
+    off = offline(ckpt, engine, args, vocab)
+    proc = start_server(ckpt, engine, port := free_port())
+    try:
+        srv = asyncio.run(served(f"http://127.0.0.1:{port}", args, vocab))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    from deepinfer.tokenizer import load_tokenizer
+    tok = load_tokenizer(ckpt)
+    offline_text = [[tok.decode([t], skip_special_tokens=False) for t in ids] for ids in off.pop("greedy")]
+    sat_ratio = srv["saturation"]["output_throughput"] / off["saturation_tok_s"]
+    ttft_added = srv["low_load"]["ttft_ms"]["p50"] - off["ttft_ms_p50"]
+    tpot_added = srv["low_load"]["tpot_ms"]["p50"] - off["tpot_ms_p50"]
+    targets = [
+        {"name": "greedy tokens through the server == LLM.generate", "value": srv["greedy_token_text"] == offline_text,
+         "target": True, "met": srv["greedy_token_text"] == offline_text},
+        {"name": f"saturation output tok/s, server / LLM.generate (batch {args.batch})", "value": round(sat_ratio, 3),
+         "target": ">= 0.9", "met": sat_ratio >= 0.9},
+        {"name": "added TTFT at low load, ms (p50)", "value": round(ttft_added, 3), "target": "<= 5",
+         "met": ttft_added <= 5},
+        {"name": "added TPOT at low load, ms per output token (p50)", "value": round(tpot_added, 4),
+         "target": "<= 0.2", "met": tpot_added <= 0.2},
+    ]
+    out = {"commit": os.environ.get("DEEPINFER_COMMIT") or commit(), "hardware": hw, "torch": torch.__version__,
+           "config": cfg.to_official_json(), "engine": engine, "args": vars(args) | {"out": None},
+           "offline": off, "server": srv, "targets": targets, "wall_s": round(time.time() - start, 1)}
+    os.makedirs(args.out, exist_ok=True)
+    tag = "h200" if "H200" in hw else "cpu"
+    path = os.path.join(args.out, f"serve_{tag}_{out['commit'][:7]}.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    print(f"offline: {off['saturation_tok_s']:.0f} tok/s at batch {args.batch}, low load TTFT "
+          f"{off['ttft_ms_p50']:.2f} ms, TPOT {off['tpot_ms_p50']:.3f} ms")
+    print(f"server:  {srv['saturation']['output_throughput']:.0f} tok/s, low load TTFT "
+          f"{srv['low_load']['ttft_ms']['p50']:.2f} ms, TPOT {srv['low_load']['tpot_ms']['p50']:.3f} ms")
+    for t in targets:
+        print(f"{'ok ' if t['met'] else 'MISS'} {t['name']}: {t['value']} (target {t['target']})")
+    print(path)
+    return out
+
+
+if __name__ == "__main__":
+    main()
