@@ -38,8 +38,10 @@ under ``TRITON_INTERPRET=1``) and :func:`set_autoload` turns the automatic loadi
 model width, never one chosen from the step's row count: GEMMs without split-K,
 attention over one key order per query, the MoE's expert GEMMs at one tiling with a
 combine in ascending expert id, and the row reductions torch's CUDA kernels would lay
-out by row count (RMSNorm's mean of squares, the sampler's top-p cumsum). In the mode
-the fast path (deepinfer/models/fast) stays off: steps run the reference path.
+out by row count (RMSNorm's mean of squares, the sampler's top-p cumsum). V4's compiled
+executor (decode CUDA graphs, the prefill path) runs in the mode with the op namespace of
+deepinfer/models/fast/invariant.py, every row through the same per-row kernels in decode,
+prefill and mixed steps; speculative decoding and V4.1 keep the reference path in it.
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ class MhcTuning:
     kernel). Larger steps use the dot kernel with ``split`` columns per program up to
     ``small_work`` = T x K elements and ``large_split`` above (fewer partials to add). A
     row's numbers depend on its own row and on which kernel its step size selects, never
-    otherwise on the batch (batch-invariant mode runs the reference path). Prefill-sized
+    otherwise on the batch (batch-invariant mode passes one shape for every step size:
+    deepinfer/models/fast/invariant.py). Prefill-sized
     bf16 steps take the tensor-core variant (``tc_*``; ``mhc_tuning.py --large``,
     profiling/results/mhc_tuning_large_h200.json): hc_post_pre + norm at 8k tokens x
     V4-Flash widths 826 us (731 GB/s), vs 3.67 ms for the IEEE dot kernel with aligned
