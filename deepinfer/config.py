@@ -55,6 +55,14 @@ _ENV_FIELDS: dict[str, str] = {
 }
 
 
+def host_memory_bytes() -> int | None:
+    """Physical memory of this host (bytes), None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def detect_accelerator() -> str:
     """'nvidia' if CUDA is usable, else 'ascend' if torch_npu is, else 'cpu'.
 
@@ -146,10 +154,9 @@ class EngineConfig:
             raise ConfigError(f"unknown engine argument(s) {unknown}"
                               + (f": {hint}" if hint else "") + f"; allowed: {names}")
         env = os.environ if environ is None else environ
-        typos = envs.unknown(env)
-        if typos:
-            raise ConfigError(f"unknown environment variable(s) {typos}; "
-                              f"known DEEPINFER_* variables: {sorted(KNOWN_ENV_VARS)}")
+        # every DEEPINFER_* variable that is set is parsed now, also those this engine never
+        # reads (e.g. DEEPINFER_DIST_TIMEOUT_S=abc in one process): typos and bad values fail here
+        envs.check(env)
         values: dict[str, Any] = {}
         sources: dict[str, str] = {}
         for var, fname in _ENV_FIELDS.items():
@@ -194,6 +201,11 @@ class EngineConfig:
                 or not 0 < gmu <= 1):
             fail("gpu_memory_utilization", "a number in (0, 1]", gmu)
         check_int("kv_cache_memory_bytes", 1, optional=True)
+        host = host_memory_bytes()
+        if self.accelerator == "cpu" and self.kv_cache_memory_bytes is not None and host \
+                and self.kv_cache_memory_bytes > host:
+            fail("kv_cache_memory_bytes", f"at most this host's memory ({host} bytes) on the CPU backend",
+                 self.kv_cache_memory_bytes)
         check_int("num_kv_blocks", 1, optional=True)
         check_int("cpu_threads", 1, optional=True)
         if self.cpu_dense_weights is not None and not isinstance(self.cpu_dense_weights, bool):
@@ -201,6 +213,7 @@ class EngineConfig:
         check_int("block_size", 1)
         if self.block_size & (self.block_size - 1):
             fail("block_size", "a power of two >= 1", self.block_size)
+        self._check_block_size_for_checkpoint()
         for name in ("chunked_prefill", "enable_prefix_caching", "batch_invariant",
                      "enable_mtp_varlen", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
@@ -222,6 +235,28 @@ class EngineConfig:
             fail("max_num_batched_tokens",
                  f">= max_model_len={self.max_model_len} when chunked_prefill=False",
                  self.max_num_batched_tokens)
+
+    def _check_block_size_for_checkpoint(self) -> None:
+        """``block_size`` against the checkpoint's KV layout (every compress ratio must divide
+        it), from its config.json, before any weight is loaded. A checkpoint that cannot be
+        read here (missing, not a regular file, malformed) is left to the loader, which
+        reports it naming the file."""
+        from deepinfer.models.default_model import packaged_model_dir
+        from deepinfer.models.registry import family_of, read_model_config
+
+        path = self.model or os.environ.get("DEEPINFER_HF_MODEL_DIR") or str(packaged_model_dir())
+        if not os.path.isfile(os.path.join(path, "config.json")):  # isfile: never a FIFO / device
+            return
+        try:
+            mcfg = read_model_config(path)
+        except Exception:  # noqa: BLE001 - reported by the loader with the file named
+            return
+        try:
+            family_of(mcfg).check_block_size(mcfg, self.block_size)
+        except ValueError as exc:
+            raise ConfigError(range_message("EngineConfig.block_size", f"a power of two that every compress ratio "
+                                            f"of {path} divides ({exc})", self.block_size),
+                              field="block_size") from None
 
     def resolve_max_model_len(self, model_max_len: int) -> EngineConfig:
         """Return a copy with ``max_model_len`` (and dependent defaults) filled in.
