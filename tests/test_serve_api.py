@@ -224,3 +224,42 @@ def test_overload_answers_503_with_retry_after(base_url, client):
     assert set(codes) == {200, 503} and codes.count(200) >= 240, (codes.count(200), codes.count(503))
     assert all(retry == "1" for c, retry in answers if c == 503)
     assert client.completions.create(model="deepinfer-tiny", prompt="after", max_tokens=2).usage.completion_tokens
+
+
+def test_bench_serve_against_the_server(base_url, tmp_path):
+    """`deepinfer bench serve` (the CLI) on this server: every request completes with its exact
+    output length, percentiles are ordered, an unmeetable SLO gives zero goodput, the JSON
+    carries commit / hardware / config."""
+    from deepinfer.cli import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "serve", "--base-url", base_url, "--api-key", KEY, "--num-prompts", "12",
+               "--random-input-len", "12", "--random-output-len", "5", "--request-rate", "40", "--arrival", "gamma",
+               "--burstiness", "0.5", "--max-concurrency", "6", "--slo-ttft-ms", "0.001", "--out", str(out)])
+    rec = json.loads(out.read_text())
+    assert rc == 0 and rec["completed"] == 12 and rec["failed"] == 0
+    assert rec["total_output_tokens"] == 60 and rec["total_input_tokens"] == 12 * 12
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        p = rec[key]
+        assert 0 <= p["p50"] <= p["p90"] <= p["p99"], (key, p)
+    assert rec["e2e_ms"]["p50"] >= rec["ttft_ms"]["p50"]
+    assert rec["goodput"] == 0.0 and rec["request_throughput"] > 0
+    assert len(rec["commit"]) == 40 and rec["hardware"]["cpus"] and rec["config"]["arrival"] == "gamma"
+    assert rec["config"]["api_key"] == "<set>"
+
+
+def test_arrival_schedules():
+    import math
+    import statistics
+
+    from deepinfer.serve.bench import BenchConfig, arrival_times
+
+    assert arrival_times(BenchConfig("x", request_rate=math.inf), 5) == [0.0] * 5
+    for arrival, shape in (("poisson", 1.0), ("gamma", 0.25)):
+        times = arrival_times(BenchConfig("x", request_rate=20.0, arrival=arrival, burstiness=shape, seed=3), 4000)
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert statistics.mean(gaps) == pytest.approx(1 / 20, rel=0.1)
+        # coefficient of variation of a gamma(k) gap is 1/sqrt(k): burstier below 1
+        assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(1 / math.sqrt(shape), rel=0.15)
+    with pytest.raises(ValueError, match="request-rate"):
+        BenchConfig("x", request_rate=0).check()
