@@ -18,7 +18,11 @@ What is checked, per request, in this order:
 * KV fit: the blocks the request can reach (prompt + max_tokens, capped at the context)
   must exist in every KV group, else it could never be scheduled;
 * structured output: the schema rules, then the grammar itself compiled (shared with the
-  compile the engine does later) and its first step must allow at least one token.
+  compile the engine does later) and its first step must allow at least one token. The
+  call's grammars compile in parallel and admission waits up to `GRAMMAR_WAIT_S` for
+  them; a grammar still compiling then (a slow one) is admitted unchecked, so it cannot
+  stall the call's other requests, and a failure of its compile is reported when it
+  finishes, as before (the one case where a grammar error surfaces after queueing).
 
 ``max_tokens`` past the context is allowed (the request stops at ``max_model_len`` with
 finish reason ``"length"``), and logged once per call as a warning, as vLLM reports it.
@@ -29,6 +33,8 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import time
+from concurrent.futures import TimeoutError as FuturesTimeout
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,6 +48,9 @@ from deepinfer.sampling_params import FLOAT32_MAX, SamplingParams
 __all__ = ["admit_generate", "prompt_items", "token_id_lists", "check_sampling_values"]
 
 logger = logging.getLogger(__name__)
+
+#: seconds admission waits for a call's grammars to compile (typical ones take milliseconds)
+GRAMMAR_WAIT_S: float = 2.0
 
 Prompt = tuple[str | None, list[int]]
 
@@ -219,12 +228,15 @@ def _check_grammars(engine: Any, params: list[SamplingParams]) -> None:
     and refuse one whose first step allows no token at all (an empty language)."""
     structured = engine.structured
     structured.check(params)
-    for i, sp in enumerate(params):
-        spec = sp.structured_output
-        if spec is None:
-            continue
+    futures = {i: structured.pool.submit(sp.structured_output) for i, sp in enumerate(params)
+               if sp.structured_output is not None}
+    deadline = time.monotonic() + GRAMMAR_WAIT_S
+    for i, fut in futures.items():
+        spec = params[i].structured_output
         try:
-            compiled = structured.pool.submit(spec).result()
+            compiled = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FuturesTimeout:
+            continue  # still compiling: admitted; the engine reports a failure when it finishes
         except Exception as exc:  # noqa: BLE001 - any backend failure is the request's fault here
             raise InvalidRequestError(f"sampling_params[{i}]: SamplingParams.structured_output: grammar "
                                       f"compilation failed: {exc}", field="structured_output") from None
