@@ -58,6 +58,8 @@ BENCHMARKS = (
           ("v41_bounded_replay_*.json",)),
     Bench("notebooks_gpu.py", "every workbench notebook run on a GPU with injected parameters",
           ("notebooks_gpu_*.json",)),
+    Bench("serve_h200.py", "deepinfer serve vs LLM.generate: saturation throughput ratio, added TTFT / TPOT at low load",
+          ("serve_h200_*.json",)),
 )
 #: One-off studies: answered one question at one commit; kept to rerun, not maintained as tools.
 STUDIES = ("batch_invariance_probe.py", "compiled_quality.py", "decode_grid.py", "fastpath_hf.py", "fastpath_layers.py",
