@@ -213,7 +213,7 @@ class EngineConfig:
         check_int("block_size", 1)
         if self.block_size & (self.block_size - 1):
             fail("block_size", "a power of two >= 1", self.block_size)
-        self._check_block_size_for_checkpoint()
+        self._check_against_checkpoint()
         for name in ("chunked_prefill", "enable_prefix_caching", "batch_invariant",
                      "enable_mtp_varlen", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
@@ -236,11 +236,12 @@ class EngineConfig:
                  f">= max_model_len={self.max_model_len} when chunked_prefill=False",
                  self.max_num_batched_tokens)
 
-    def _check_block_size_for_checkpoint(self) -> None:
-        """``block_size`` against the checkpoint's KV layout (every compress ratio must divide
-        it), from its config.json, before any weight is loaded. A checkpoint that cannot be
-        read here (missing, not a regular file, malformed) is left to the loader, which
-        reports it naming the file."""
+    def _check_against_checkpoint(self) -> None:
+        """From the checkpoint's config.json, before any weight is loaded: ``block_size``
+        against its KV layout (every compress ratio must divide it) and, on the CPU backend,
+        an explicit ``num_kv_blocks`` against this host's memory (the cache is allocated
+        whole at start). A checkpoint that cannot be read here (missing, not a regular file,
+        malformed) is left to the loader, which reports it naming the file."""
         from deepinfer.models.default_model import packaged_model_dir
         from deepinfer.models.registry import family_of, read_model_config
 
@@ -251,12 +252,24 @@ class EngineConfig:
             mcfg = read_model_config(path)
         except Exception:  # noqa: BLE001 - reported by the loader with the file named
             return
+        family = family_of(mcfg)
         try:
-            family_of(mcfg).check_block_size(mcfg, self.block_size)
+            family.check_block_size(mcfg, self.block_size)
         except ValueError as exc:
             raise ConfigError(range_message("EngineConfig.block_size", f"a power of two that every compress ratio "
                                             f"of {path} divides ({exc})", self.block_size),
                               field="block_size") from None
+        host = host_memory_bytes()
+        if self.num_kv_blocks is not None and self.accelerator == "cpu" and host:
+            name = mcfg.torch_dtype if self.dtype == "auto" else self.dtype
+            dtype = getattr(torch, name, None) if isinstance(name, str) else None
+            dtype = dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
+            per_block = sum(family.kv_block_bytes(mcfg, self.block_size, dtype).values())
+            if self.num_kv_blocks * per_block > host:
+                raise ConfigError(range_message(
+                    "EngineConfig.num_kv_blocks", f"at most {host // per_block} on this host ({per_block} bytes per "
+                    f"block of {self.block_size} tokens, {host} bytes of memory)", self.num_kv_blocks),
+                    field="num_kv_blocks")
 
     def resolve_max_model_len(self, model_max_len: int) -> EngineConfig:
         """Return a copy with ``max_model_len`` (and dependent defaults) filled in.

@@ -31,6 +31,15 @@ def test_kv_cache_bytes_bounded_by_the_host() -> None:
     assert EngineConfig.from_kwargs(kv_cache_memory_bytes=2**26, accelerator="cpu").kv_cache_memory_bytes == 2**26
 
 
+def test_num_kv_blocks_bounded_by_the_host() -> None:
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"EngineConfig.num_kv_blocks must be at most \d+ on this host \(\d+ bytes "
+                                          r"per block of 128 tokens"):
+        LLM(num_kv_blocks=10**12, accelerator="cpu")
+    assert time.monotonic() - start < 3, "refused before anything is allocated"
+    assert EngineConfig.from_kwargs(num_kv_blocks=64, accelerator="cpu").num_kv_blocks == 64
+
+
 @pytest.mark.parametrize("block_size", [1, 64])
 def test_block_size_checked_against_the_checkpoint_before_loading(block_size) -> None:
     start = time.monotonic()
