@@ -153,6 +153,23 @@ def test_disconnect_aborts_and_frees_blocks(base_url):
         assert 'finished_reason="abort"' in page
 
 
+def test_disconnect_without_streaming_aborts(base_url):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "deepinfer-tiny", "prompt": "Go on", "max_tokens": 200, "ignore_eos": True}
+    aborted = lambda page: sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+                               if line.startswith("deepinfer:request_success_total") and 'reason="abort"' in line)
+    before = aborted(httpx.get(base_url + "/metrics").text)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up: its connection closes
+        httpx.post(base_url + "/v1/completions", json=body, headers=headers, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        page = httpx.get(base_url + "/metrics").text
+        if aborted(page) > before and metric(page, "deepinfer:num_requests_running") == 0:
+            break
+        time.sleep(0.05)
+    assert aborted(page) == before + 1 and metric(page, "deepinfer:kv_cache_usage_perc") == 0
+
+
 @pytest.mark.parametrize("body,param", [
     (b"{not json", "body"), (b"[1, 2]", "body"),
     ({"prompt": "x", "max_tokens": "abc"}, "max_tokens"), ({"prompt": "x", "temperature": 5}, "temperature"),

@@ -5,12 +5,13 @@ Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health
 (401 on ``/v1/*``), and one error shape: any failure answers
 ``{"error": {"message", "type", "param", "code"}}`` with its status (400 for a bad body,
 naming the field; 503 + Retry-After when the waiting queue is full), and the server keeps
-serving. A client that disconnects mid-stream closes the stream's generator, which aborts
-its engine requests (their KV blocks are freed before the engine's next step).
+serving. A client that disconnects (mid-stream, or while a non-streamed answer is being
+generated) aborts its engine requests: their KV blocks are freed before the engine's next step.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -33,6 +34,35 @@ def _error(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
+class _Guard:
+    """Auth and the declared body size, before a route runs. Plain ASGI (not Starlette's
+    BaseHTTPMiddleware, under which ``Request.is_disconnected`` never sees a disconnect)."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            error = self._check(scope)
+            if error is not None:
+                await _error(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _check(self, scope: dict) -> APIError | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key is not None and scope["path"].startswith("/v1/"):
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                return APIError(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                                type_="authentication_error", code="invalid_api_key")
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return APIError(413, f"the request body has {length} bytes; the limit is {self.max_body_bytes} "
+                                 f"(--max-body-bytes)", param="body")
+        return None
+
+
 def build_app(client: AsyncEngineClient, metrics: ServeMetrics, model_name: str, api_key: str | None = None,
               max_body_bytes: int = 4 * 2**20) -> FastAPI:
     """The app over a started client (the caller owns the client's lifetime)."""
@@ -40,19 +70,7 @@ def build_app(client: AsyncEngineClient, metrics: ServeMetrics, model_name: str,
     handlers = Handlers(client, model_name)
     created = int(time.time())
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Response:
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            auth = request.headers.get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), api_key):
-                return _error(APIError(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                                       type_="authentication_error", code="invalid_api_key"))
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            return _error(APIError(413, f"the request body has {length} bytes; the limit is {max_body_bytes} "
-                                        f"(--max-body-bytes)", param="body"))
-        return await call_next(request)
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
     async def body_of(request: Request) -> dict[str, Any]:
         raw = b""
@@ -65,7 +83,14 @@ def build_app(client: AsyncEngineClient, metrics: ServeMetrics, model_name: str,
 
     async def run(request: Request, endpoint: Any) -> Response:
         try:
-            body, stream = await endpoint(await body_of(request))
+            task = asyncio.ensure_future(endpoint(await body_of(request)))
+            # a non-streamed answer is computed here: a client that leaves meanwhile cancels it,
+            # which closes its delta streams and so aborts its engine requests
+            while not (await asyncio.wait({task}, timeout=0.25))[0]:
+                if await request.is_disconnected():
+                    task.cancel()
+                    return Response(status_code=499)
+            body, stream = task.result()
         except APIError as exc:
             return _error(exc)
         except EngineDeadError as exc:
