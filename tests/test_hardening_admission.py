@@ -59,6 +59,9 @@ def test_bad_grammar_second_prompt_queues_nothing(llm, reference) -> None:
     ("top_k", 2**70, r"int64"),
     ("top_p", 1e-50, r"\(0, 1\] as a float32"),
     ("stop_token_ids", [10**9], r"stop_token_ids must be token ids in \[0, 8192\)"),
+    ("stop_token_ids", 5, r"stop_token_ids must be a list of token ids, got 5"),
+    ("stop", "x", r"stop must be a list of non-empty str, got 'x'"),
+    ("structured_output", {"regex": "a"}, r"structured_output must be set through SamplingParams"),
 ])
 def test_values_checked_in_the_engines_dtype(llm, reference, field, value, match) -> None:
     sp = SamplingParams(max_tokens=4)

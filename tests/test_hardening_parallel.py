@@ -24,6 +24,13 @@ SHORT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
 
 
+class BrokenParams(SamplingParams):
+    """A user's SamplingParams subclass that breaks inside admission with a plain RuntimeError."""
+
+    def for_request(self) -> SamplingParams:
+        raise RuntimeError("a user subclass failed")
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny_dp_hardening")
@@ -89,6 +96,11 @@ def test_stopped_rank_fails_within_the_timeout_and_is_named(engine) -> None:
     # a share only one rank rejects (sent past the driver's checks): both ranks agree, nothing runs
     with pytest.raises(InvalidRequestError, match="outside"):
         engine._call("generate", [{"prompt_token_ids": [[1, VOCAB]], "sampling_params": [SHORT]},
+                                  {"prompt_token_ids": [[1, 2]], "sampling_params": [SHORT]}])
+    # one rank's admission failing with a non-deepinfer exception still reaches the verdict exchange
+    odd = BrokenParams(max_tokens=4)
+    with pytest.raises(InvalidRequestError, match="rank 0 could not admit its share"):
+        engine._call("generate", [{"prompt_token_ids": [[1, 2]], "sampling_params": [odd]},
                                   {"prompt_token_ids": [[1, 2]], "sampling_params": [SHORT]}])
     assert len(engine.generate(prompt_token_ids=PROMPTS, sampling_params=SHORT, use_tqdm=False)) == 3
     victim = engine._procs[1].pid

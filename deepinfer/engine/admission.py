@@ -44,6 +44,7 @@ import torch
 from deepinfer.engine.inputs import expand_sampling_params
 from deepinfer.errors import InvalidRequestError
 from deepinfer.sampling_params import FLOAT32_MAX, SamplingParams
+from deepinfer.structured.spec import StructuredOutputSpec
 
 __all__ = ["admit_generate", "prompt_items", "token_id_lists", "check_sampling_values"]
 
@@ -182,11 +183,21 @@ def check_sampling_values(sp: SamplingParams, i: int, vocab_size: int) -> None:
         v = getattr(sp, name)
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
             raise InvalidRequestError(f"{where}.{name} must be an int >= {lo}, got {v!r}", field=name)
-    bad = [t for t in (sp.stop_token_ids or []) if isinstance(t, bool) or not isinstance(t, numbers.Integral)
-           or not 0 <= t < vocab_size]
+    stop = sp.stop
+    if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
+        raise InvalidRequestError(f"{where}.stop must be a list of non-empty str, got {stop!r}", field="stop")
+    ids = sp.stop_token_ids
+    if not isinstance(ids, list):
+        raise InvalidRequestError(f"{where}.stop_token_ids must be a list of token ids, got {ids!r}",
+                                  field="stop_token_ids")
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"{where}.stop_token_ids must be token ids in [0, {vocab_size}), got {bad[:5]}",
                                   field="stop_token_ids")
+    if sp.structured_output is not None and not isinstance(sp.structured_output, StructuredOutputSpec):
+        raise InvalidRequestError(f"{where}.structured_output must be set through SamplingParams(...) (a "
+                                  f"StructuredOutputSpec), got {type(sp.structured_output).__name__}",
+                                  field="structured_output")
 
 
 # ---- KV fit and context ------------------------------------------------------------------
