@@ -101,7 +101,7 @@ def run_size(name: str, make_cfg, args) -> dict:
     costs = ModelCosts.of(model)
     cfg_dir = tempfile.mkdtemp(prefix=f"{name}_cfg_")
     with open(os.path.join(cfg_dir, "config.json"), "w") as f:
-        json.dump(cfg.to_official_json(), f)
+        json.dump({**cfg.to_official_json(), "deepinfer_tokenizer": "bundled"}, f)  # random ids: the bundled tokenizer, on purpose
     extra = {"swa_replay_mode": "compact"} if name.startswith("v41") else {}
     llm = PrebuiltLLM(model, cfg_dir, dtype="bfloat16", max_model_len=args.prefill + 64, max_num_seqs=64,
                       max_num_batched_tokens=max(args.prefill, 2048), enable_prefix_caching=False, **extra)

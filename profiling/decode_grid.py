@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = build(cfg, device)
     cfg_dir = tempfile.mkdtemp(prefix="decode_grid_cfg_")
     with open(os.path.join(cfg_dir, "config.json"), "w") as f:
-        json.dump(cfg.to_official_json(), f)
+        json.dump({**cfg.to_official_json(), "deepinfer_tokenizer": "bundled"}, f)  # random ids: the bundled tokenizer, on purpose
     out: dict = {"commit": os.environ.get("DEEPINFER_COMMIT") or commit(), "hardware": hw,
                  "torch": torch.__version__, "config": cfg.to_official_json(), "args": vars(args) | {"out": None},
                  "engines": {}}

@@ -216,7 +216,7 @@ def run_size(name: str, cfg, args, out: dict, budget: Budget) -> None:
     res["dense_weight_bytes"], res["expert_bytes"] = costs.dense_bytes, costs.expert_bytes
     cfg_dir = tempfile.mkdtemp(prefix=f"{name}_cfg_")
     with open(os.path.join(cfg_dir, "config.json"), "w") as f:
-        json.dump(cfg.to_official_json(), f)
+        json.dump({**cfg.to_official_json(), "deepinfer_tokenizer": "bundled"}, f)  # random ids: the bundled tokenizer, on purpose
     max_len = max(max(args.prefill), 300 + max(args.new_tokens, args.check_tokens)) + 64
     t = time.time()
     llm = PrebuiltLLM(model, cfg_dir, dtype="bfloat16", max_model_len=max_len, max_num_seqs=max(args.batches),

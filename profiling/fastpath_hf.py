@@ -25,7 +25,7 @@ def build_hf(cfg, dtype: torch.dtype, device: str, seed: int = 0) -> torch.nn.Mo
 
     path = tempfile.mkdtemp(prefix="hf_cfg_")
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg.to_official_json(), f)
+        json.dump({**cfg.to_official_json(), "deepinfer_tokenizer": "bundled"}, f)  # random ids: the bundled tokenizer, on purpose
     hf_cfg = transformers.AutoConfig.from_pretrained(path)
     torch.manual_seed(seed)
     default = torch.get_default_dtype()

@@ -81,7 +81,7 @@ def build_llm(size: str, max_seqs: int, device: str):
     model = fb.build(cfg, device)
     cfg_dir = tempfile.mkdtemp(prefix=f"{size}_cfg_")
     with open(os.path.join(cfg_dir, "config.json"), "w") as f:
-        json.dump(cfg.to_official_json(), f)
+        json.dump({**cfg.to_official_json(), "deepinfer_tokenizer": "bundled"}, f)  # random ids: the bundled tokenizer, on purpose
     return fb.PrebuiltLLM(model, cfg_dir, dtype="bfloat16", max_model_len=1024, max_num_seqs=max_seqs,
                           enable_prefix_caching=False, kv_cache_memory_bytes=4 << 30)
 

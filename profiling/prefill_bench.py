@@ -93,7 +93,7 @@ def quantize_checkpoint(src: str, dst: str, device: str) -> str:
     os.makedirs(dst, exist_ok=True)
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(qcfg.to_official_json(), f, indent=2)
+        json.dump({**qcfg.to_official_json(), "deepinfer_tokenizer": "bundled"}, f, indent=2)  # random ids
     return dst
 
 

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     cfg_dir = tempfile.mkdtemp(prefix=f"{args.size}_cfg_")
     with open(os.path.join(cfg_dir, "config.json"), "w") as f:
-        json.dump(cfg.to_official_json(), f)
+        json.dump({**cfg.to_official_json(), "deepinfer_tokenizer": "bundled"}, f)  # random ids: the bundled tokenizer, on purpose
     llm = PrebuiltLLM(model, cfg_dir, dtype="bfloat16", max_model_len=args.tokens + 64, max_num_seqs=4,
                       max_num_batched_tokens=args.tokens, enable_prefix_caching=False,
                       kv_cache_memory_bytes=(1 if args.tiny else 8) << 30)

@@ -60,6 +60,8 @@ BENCHMARKS = (
           ("notebooks_gpu_*.json",)),
     Bench("serve_h200.py", "deepinfer serve vs LLM.generate: saturation throughput ratio, added TTFT / TPOT at low load",
           ("serve_h200_*.json",)),
+    Bench("invariant_compiled_bench.py", "batch-invariant mode on the compiled executor: bitwise across batches, "
+          "decode / prefill vs default", ("invariant_compiled_*.json",)),
 )
 #: One-off studies: answered one question at one commit; kept to rerun, not maintained as tools.
 STUDIES = ("batch_invariance_probe.py", "compiled_quality.py", "decode_grid.py", "fastpath_hf.py", "fastpath_layers.py",
