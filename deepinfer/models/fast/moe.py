@@ -113,6 +113,15 @@ def supported(moe: torch.nn.Module) -> bool:
     return isinstance(moe, MoE) and moe.gate.func in ("sqrtsoftplus", "sigmoid") and moe.load_counter is None
 
 
+def _route(ops: Any, gate: torch.nn.Module, logits: torch.Tensor, input_ids: torch.Tensor,
+           extra: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router kernel over a gate's logits: hash layers look their experts up by token."""
+    if getattr(gate, "is_hash", False):
+        return ops.router(logits, None, gate.top_k, gate.route_scale, gate.normalize, gate.func,
+                          tid2eid=gate.tid2eid, input_ids=input_ids, **extra)
+    return ops.router(logits, gate.bias, gate.top_k, gate.route_scale, gate.normalize, gate.func, **extra)
+
+
 def _moe_invariant(moe: torch.nn.Module, x: torch.Tensor, input_ids: torch.Tensor, ops: Any,
                    logits: torch.Tensor | None) -> torch.Tensor:
     """``moe_forward`` in batch-invariant mode: the gate GEMM at the mode's fixed tiling,
@@ -131,11 +140,7 @@ def _moe_invariant(moe: torch.nn.Module, x: torch.Tensor, input_ids: torch.Tenso
     extra = {"extra_id": moe.n_experts} if fused_shared else {}
     if logits is None:
         logits = invariant_ops.linear(x, gate.weight)
-    if getattr(gate, "is_hash", False):
-        weights, ids = ops.router(logits, None, gate.top_k, gate.route_scale, gate.normalize, gate.func,
-                                  tid2eid=gate.tid2eid, input_ids=input_ids, **extra)
-    else:
-        weights, ids = ops.router(logits, gate.bias, gate.top_k, gate.route_scale, gate.normalize, gate.func, **extra)
+    weights, ids = _route(ops, gate, logits, input_ids, extra)
     out = routed_experts(x, w1, w3, w2, weights, ids, moe.experts[0].limit)
     if moe.shared_experts is not None and not fused_shared:
         out = out + moe.shared_experts(x)
@@ -156,11 +161,7 @@ def moe_forward(moe: torch.nn.Module, x: torch.Tensor, input_ids: torch.Tensor, 
     extra = {"extra_id": moe.n_experts} if fused_shared else {}
     if logits is None:
         logits = F.linear(x, gate.weight)
-    if getattr(gate, "is_hash", False):
-        weights, ids = ops.router(logits, None, gate.top_k, gate.route_scale, gate.normalize, gate.func,
-                                  tid2eid=gate.tid2eid, input_ids=input_ids, **extra)
-    else:
-        weights, ids = ops.router(logits, gate.bias, gate.top_k, gate.route_scale, gate.normalize, gate.func, **extra)
+    weights, ids = _route(ops, gate, logits, input_ids, extra)
     if quantized is not None and w8a8_routed(quantized, x, ids):
         q = quantized
         out = ops.fused_moe_w8a8(x, q.w1, q.w3, q.w2, q.s1, q.s3, q.s2, q.block, weights, ids, moe.experts[0].limit)
