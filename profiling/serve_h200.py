@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -94,10 +95,14 @@ def start_server(ckpt: str, engine: dict, port: int) -> subprocess.Popen:
                              "--max-waiting", "100000", *flags], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
+    seen: list[str] = []  # the server's output, for the error when it dies before it is ready
     for line in proc.stdout:
         if "deepinfer serve: ready on" in line:
+            # keep reading its output: a full pipe would block the server's logging
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
             return proc
-    raise RuntimeError(f"the server exited with {proc.wait()}")
+        seen = (seen + [line])[-40:]
+    raise RuntimeError(f"the server exited with {proc.wait()}:\n" + "".join(seen))
 
 
 async def served(url: str, args: argparse.Namespace, vocab: int) -> dict:

@@ -87,7 +87,8 @@ def run_notebook(path: str | os.PathLike[str], params: dict[str, Any] | None = N
 
     src = Path(path)
     nb = nbformat.read(src, as_version=4)
-    nb = inject_parameters(nb, params or {})
+    if params:  # a notebook without a parameters cell runs as it is
+        nb = inject_parameters(nb, params)
     client = NotebookClient(nb, timeout=timeout_s, kernel_name=kernel_name,
                             resources={"metadata": {"path": str(src.resolve().parent)}})
     t0, error = time.perf_counter(), None
