@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,8 +40,9 @@ HBM_GBPS, BF16_TFLOPS = 4200.0, 800.0  # one H200 (REFERENCE.md section 5)
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", choices=("tiny", "mini"), default="tiny",
-                   help="tiny: the embedded model (float32, CPU); mini: random bf16 weights (CUDA)")
+    p.add_argument("--size", choices=("tiny", "mini", "mini_v41"), default="tiny",
+                   help="tiny: the embedded model (float32, CPU); mini / mini_v41: random bf16 V4 / V4.1 "
+                        "weights at mini widths (CUDA)")
     p.add_argument("--batch", type=int, default=16, help="requests decoding together")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=48)
@@ -56,10 +58,13 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLM]:
     kw: dict = dict(max_model_len=args.prompt_len + args.output_len + 64, max_num_seqs=args.batch,
                     max_num_batched_tokens=max(args.batch * args.prompt_len, 256), enable_prefix_caching=False)
     model = None
-    if args.size == "mini":
+    if args.size in ("mini", "mini_v41"):
         from deepinfer.models.tiny import mini_config, write_tiny_checkpoint
 
-        model = tempfile.mkdtemp(prefix="mini_")
+        if args.size == "mini_v41":
+            sys.path.insert(0, str(ROOT / "profiling"))
+            from v41_bounded_replay import mini_v41_config as mini_config  # noqa: F811
+        model = tempfile.mkdtemp(prefix=f"{args.size}_")
         write_tiny_checkpoint(model, seed=0, cfg=mini_config(), dtype=torch.bfloat16)
         kw.update(dtype="bfloat16")  # the KV pool is capped at what batch x max_model_len needs
     else:
