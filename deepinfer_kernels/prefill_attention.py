@@ -11,6 +11,9 @@ Every row at position p, with H query heads of width D and ONE shared KV vector 
 * compressed keys (ratio > 0): entries of ``comp_pool`` [blocks, block_size / ratio, D]
   via ``comp_table``: HCA (``topk_idx`` None) every entry j < (p + 1) // ratio; CSA the
   entry ids of its own ``topk_idx`` row (-1 = none);
+* ``floor`` (optional, [R] int32 per request): window keys below it are never visible
+  (DeepSeek-V4.1's bounded replay narrows its decoder layers' windows at the request's
+  cut: keys in [max(p - W + 1, floor), p]);
 * ``o_h = sum_k softmax_k(s_hk) v_k`` with ``s = round(round(q_h . k) * D^-0.5)`` (the
   reference's rounding points) and the per-head sink logit added to the denominator only.
 
@@ -68,9 +71,10 @@ def _attend(q, k, vis, m, l, acc, scale, CODE: tl.constexpr, INTERP: tl.constexp
 
 @triton.jit(do_not_specialize=["stride_swt", "stride_ct"])  # table widths vary with the context
 def _prefill_attention_kernel(q_ptr, pos_ptr, req_ptr, tile_ptr, swa_ptr, swa_tab_ptr, comp_ptr, comp_tab_ptr,
-                              topk_ptr, sink_ptr, out_ptr, H, W, BS, EPB, RATIO, TOPK, scale,
+                              topk_ptr, sink_ptr, out_ptr, floor_ptr, H, W, BS, EPB, RATIO, TOPK, scale,
                               stride_qt, stride_qh, stride_swt, stride_ct, stride_tk, stride_ot, stride_oh,
-                              HAS_COMP: tl.constexpr, CSA: tl.constexpr, TILED: tl.constexpr, CODE: tl.constexpr,
+                              HAS_COMP: tl.constexpr, CSA: tl.constexpr, TILED: tl.constexpr, HAS_FLOOR: tl.constexpr,
+                              CODE: tl.constexpr,
                               INTERP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                               BLOCK_N: tl.constexpr):
     tile, hb = tl.program_id(0), tl.program_id(1)
@@ -93,12 +97,14 @@ def _prefill_attention_kernel(q_ptr, pos_ptr, req_ptr, tile_ptr, swa_ptr, swa_ta
                 other=0.0)
     p_last = p0 + nrows - 1
     lo = tl.maximum(p0 - W + 1, 0)
+    if HAS_FLOOR:  # bounded replay: nothing below the request's cut (same floor for every row of a tile)
+        lo = tl.maximum(lo, tl.load(floor_ptr + req).to(tl.int32))
     m = tl.full([BLOCK_T * BLOCK_H], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_T * BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_T * BLOCK_H, D], dtype=tl.float32)
     for kb in range((lo // BLOCK_N) * BLOCK_N, p_last + 1, BLOCK_N):
         kpos = kb + tl.arange(0, BLOCK_N)
-        kval = (kpos >= lo) & (kpos <= p_last)
+        kval = (kpos >= lo) & (kpos <= p_last)  # lo includes the floor: rows of a tile share it
         blk = tl.load(swa_tab_ptr + req * stride_swt + kpos // BS, mask=kval, other=0).to(tl.int64)
         k = tl.load(swa_ptr + (blk * BS + kpos % BS)[:, None] * D + d[None, :], mask=kval[:, None], other=0.0)
         vis = kval[None, :] & (kpos[None, :] <= prow[:, None]) & (kpos[None, :] > prow[:, None] - W)
@@ -152,12 +158,14 @@ def prefill_attention(q: torch.Tensor, positions: torch.Tensor, row_req: torch.T
                       swa_table: torch.Tensor, window: int, sink: torch.Tensor, comp_pool: torch.Tensor | None = None,
                       comp_table: torch.Tensor | None = None, ratio: int = 0, topk_idx: torch.Tensor | None = None,
                       tiles: torch.Tensor | None = None, block_t: int = 1, block_h: int = 16, block_n: int = 32,
-                      num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
+                      num_warps: int | None = None, num_stages: int = 2,
+                      floor: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill attention; see the module doc. q [T, H, D] (D a power of two), positions
     [T] int, row_req [T] int32 (request of each row: the row of swa_table / comp_table),
     tables [R, width] int32, topk_idx [T, k] int32 (CSA). ``tiles`` (from
     :func:`query_tiles` with ``block_t``) groups rows for window / HCA layers; without it,
-    or for CSA, every row is its own program. Returns [T, H, D] in q's dtype."""
+    or for CSA, every row is its own program. ``floor`` [R] int32: the lowest visible
+    window key position of each request (None: 0). Returns [T, H, D] in q's dtype."""
     check_device(q)
     n_rows, n_heads, d = q.shape
     assert d == next_pow2(d) and q.stride(2) == 1 and swa_pool.is_contiguous()
@@ -179,10 +187,10 @@ def prefill_attention(q: torch.Tensor, positions: torch.Tensor, row_req: torch.T
         num_warps = 8 if bt * bh >= 32 else 4
     _prefill_attention_kernel[(n_prog, triton.cdiv(n_heads, bh))](
         q, positions, row_req, tile_arg, swa_pool, swa_table, comp, ctab, tk, sink.float().contiguous(), out,
-        n_heads, window, swa_pool.shape[1], comp.shape[1], max(ratio, 1), tk.shape[1] if csa else 0,
+        floor if floor is not None else row_req, n_heads, window, swa_pool.shape[1], comp.shape[1], max(ratio, 1), tk.shape[1] if csa else 0,
         float(d ** -0.5), q.stride(0), q.stride(1), swa_table.stride(0), ctab.stride(0), tk.stride(0),
         out.stride(0), out.stride(1),
-        HAS_COMP=has_comp, CSA=csa, TILED=tiled, CODE=dtype_code(q.dtype), INTERP=interpreting(), D=d,
+        HAS_COMP=has_comp, CSA=csa, TILED=tiled, HAS_FLOOR=floor is not None, CODE=dtype_code(q.dtype), INTERP=interpreting(), D=d,
         BLOCK_T=bt, BLOCK_H=bh, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **opts)
     return out
 
@@ -202,7 +210,7 @@ def prefill_attention_ref(q: torch.Tensor, positions: torch.Tensor, row_req: tor
                           comp_pool: torch.Tensor | None = None, comp_table: torch.Tensor | None = None,
                           ratio: int = 0, topk_idx: torch.Tensor | None = None, tiles: torch.Tensor | None = None,
                           block_t: int = 1, block_h: int = 16, block_n: int = 32,
-                          num_warps: int | None = None) -> torch.Tensor:
+                          num_warps: int | None = None, floor: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference with the signature of :func:`prefill_attention`: per request, the key
     gathering, masks and softmax of ``Attention._attend_one`` (``gather_rows`` layout)."""
     from deepinfer.models.kv_cache import gather_rows
@@ -212,7 +220,8 @@ def prefill_attention_ref(q: torch.Tensor, positions: torch.Tensor, row_req: tor
         rows = slice(first, first + n)
         pos = positions[rows]
         s, e = int(pos[0]), int(pos[-1]) + 1
-        k_lo = max(0, s - window + 1)
+        fl = int(floor[r]) if floor is not None else 0
+        k_lo = min(max(0, s - window + 1, fl), e)
         keys = gather_rows(swa_pool, swa_table[r].tolist(), k_lo, e)
         key_pos = torch.arange(k_lo, e, device=q.device)
         visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - window)

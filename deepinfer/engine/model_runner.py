@@ -133,7 +133,8 @@ class ModelRunner:
                     and (not invariant or self._invariant_decode(so))):
                 batch.decode = fast.prepare(so, batch)  # None unless a pure-decode step
             prefill = None
-            if batch.decode is None and self.fast_prefill is not None and self.replay is None:
+            if batch.decode is None and self.fast_prefill is not None and (
+                    self.replay is None or getattr(self.fast_prefill, "bounded_replay", False)):
                 prefill = self.fast_prefill.prepare(batch)  # prefill / mixed steps
         seqs = batch.seqs
         last = [seqs[i].offset + seqs[i].length - 1 for i in step.picks]  # the rows that sample

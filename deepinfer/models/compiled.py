@@ -21,6 +21,13 @@ def prefill_executor(model: Any, cache: Any) -> Any:
     return PrefillPath.create(model, cache)
 
 
+def v41_prefill_executor(model: Any, cache: Any) -> Any:
+    """V4.1's prefill / mixed steps, bounded replay included (fast/v41_prefill.py), or None."""
+    from .fast.v41_prefill import PrefillPathV41
+
+    return PrefillPathV41.create(model, cache)
+
+
 def v4_decode_program() -> Any:
     """V4's decode forward (fast/forward.py): logits, and the final streams verify steps use."""
     from .fast.forward import decode_logits, decode_streams

@@ -2,13 +2,14 @@
 what the registry hands the engine for a V4.1 checkpoint. Config: config_v41.py; model:
 deepseek_v41.py (+ v41_block / v41_attention / v41_layers / engram, v41_dspark.py for
 the DSpark stages); KV cache: kv_cache_v41.py (swa / dec / src groups); SWA bounded
-replay of the decoder layers (bounded_replay.py). Compiled executors: the same
-factories as V4's (models/compiled.py); a step kind they do not cover for V4.1 returns
-None there and runs on the reference path."""
+replay of the decoder layers (bounded_replay.py). Compiled executors (models/compiled.py):
+V4's decode executor with V4.1's decode program, and V4.1's own prefill / mixed executor
+(fast/v41_prefill.py, bounded replay included); a step kind they do not cover returns None
+there and runs on the reference path."""
 
 from __future__ import annotations
 
-from .compiled import decode_executor, prefill_executor, v41_decode_program
+from .compiled import decode_executor, v41_decode_program, v41_prefill_executor
 from .config_v41 import DeepseekV41Config
 from .deepseek_v41 import DeepseekV41Model
 from .kv_cache import check_block_size
@@ -33,6 +34,6 @@ FAMILY = register_family(ModelFamily(
     dspark_fused_stages=False,  # shifted hyper-connections: the fused mHC kernels do not apply
     plain_mtp_stages=False,  # mtp.* are DSpark stages, without the e_proj / h_proj of an MTP stage
     decode_executor=decode_executor,
-    prefill_executor=prefill_executor,
+    prefill_executor=v41_prefill_executor,
     decode_program=v41_decode_program,
 ))

@@ -1,0 +1,124 @@
+"""DeepSeek-V4.1 prefill / mixed steps on the compiled executor (deepinfer/models/fast/
+v41_prefill*.py) on CPU: every prompt chunk and every mixed step (chunks + decode rows)
+of a generate through the executor, with the kernels' torch references
+(DEEPINFER_FAST_PREFILL=ref) and the interpreted Triton kernels (=triton), must give the
+reference path's greedy tokens and log-probs, for each bounded-replay mode (off / mask /
+compact) and with the checkpoint's KV-cache rounding."""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any deepinfer_kernels module is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.models.tiny import tiny_v41_config, write_tiny_checkpoint  # noqa: E402
+
+VOCAB, WINDOW, KEEP = 512, 32, 40
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_v41_prefill")
+    # index_topk 8 < the entries of most prompts and 4 candidate blocks of 8 entries < the
+    # ratio-1 entries of the long prompts (the candidate filter prunes); head_dim 64 keeps
+    # the FP8 (32) / FP4 (16, 32) rounding blocks
+    cfg = tiny_v41_config(vocab_size=VOCAB, sliding_window=WINDOW, index_topk=8, candidate_topk_blocks=4,
+                          simulate_kv_quant=True)
+    write_tiny_checkpoint(str(path), seed=21, cfg=cfg)
+    return str(path)
+
+
+PROMPTS = [[(5 * i + 11 * j) % VOCAB for j in range(n)] for i, n in enumerate((1, 7, 45, 97, 150))]
+
+
+def _run(ckpt, monkeypatch, prefill, replay="off", tokens=6, prompts=PROMPTS, budget=64, decode="0"):
+    """A generate with the prefill executor ``prefill`` (0 = reference) and the decode path
+    ``decode``; a small token budget chunks the prompts, so steps mix chunks and decode rows."""
+    monkeypatch.setenv("DEEPINFER_FASTPATH", decode)
+    monkeypatch.setenv("DEEPINFER_FAST_PREFILL", prefill)
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "0")
+    llm = LLM(ckpt, dtype="float32", max_model_len=256, max_num_seqs=8, block_size=16, swa_replay_mode=replay,
+              swa_replay_keep=KEEP, max_num_batched_tokens=budget, enable_prefix_caching=False)
+    kinds = []
+    fp = llm.runner.fast_prefill
+    if fp is not None:  # record what each step the executor ran held
+        prepare = fp.prepare
+
+        def spy(batch):
+            meta = prepare(batch)
+            if meta is not None:
+                kinds.append((any(s.length > 1 for s in batch.seqs), any(s.length == 1 and not s.is_new
+                                                                         for s in batch.seqs)))
+            return meta
+        monkeypatch.setattr(fp, "prepare", spy)
+    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, top_logprobs=2)
+    return llm, llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False), kinds
+
+
+def _same(ref, fast, tol=1e-4):
+    for a, b in zip(ref, fast):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert math.isclose(x, y, rel_tol=tol, abs_tol=tol)
+
+
+@pytest.mark.parametrize("replay", ["off", "mask", "compact"])
+def test_v41_prefill_and_mixed_steps_match_reference(ckpt, monkeypatch, replay):
+    ref_llm, ref, _ = _run(ckpt, monkeypatch, "0", replay)
+    assert ref_llm.runner.fast_prefill is None
+    fast_llm, fast, kinds = _run(ckpt, monkeypatch, "ref", replay)
+    assert all(k[0] for k in kinds) or kinds  # every step it ran
+    assert any(chunk and dec for chunk, dec in kinds), "no mixed step (prompt chunk + decode rows) ran"
+    stats = fast_llm.runner.fast_prefill.stats
+    assert stats["prefill_rows"] >= sum(map(len, PROMPTS))
+    if replay == "compact":  # the decoder layers ran on fewer rows than the prompts have
+        assert 0 < stats["replayed_rows"] < stats["prefill_rows"]
+    _same(ref, fast)
+
+
+def test_v41_prefill_with_the_decode_path(ckpt, monkeypatch):
+    """Both compiled executors together (decode steps on the fast decode path), compact replay."""
+    _, ref, _ = _run(ckpt, monkeypatch, "0", "compact")
+    llm, fast, _ = _run(ckpt, monkeypatch, "ref", "compact", decode="ref")
+    assert llm.runner.fast.stats["fast_steps"] > 0
+    _same(ref, fast)
+
+
+@pytest.mark.parametrize("replay", ["off", "compact"])
+def test_v41_prefill_triton_kernels(ckpt, monkeypatch, replay):
+    """The interpreted Triton kernels (prefill attention with the replay floor, indexer
+    scores, norm / RoPE writes with FP8 / FP4 rounding, shifted mHC, Engram, MoE) on two
+    requests long enough for the cut and the candidate filter (the interpreter is slow)."""
+    prompts = PROMPTS[2:4]
+    _, ref, _ = _run(ckpt, monkeypatch, "0", replay, tokens=2, prompts=prompts, budget=96)
+    _, fast, kinds = _run(ckpt, monkeypatch, "triton", replay, tokens=2, prompts=prompts, budget=96)
+    assert kinds
+    _same(ref, fast, tol=2e-4)
+
+
+def test_prefill_attention_floor_matches_reference():
+    """The kernel's per-request floor: window keys below it are masked, as the reference's."""
+    from deepinfer_kernels.prefill_attention import prefill_attention, prefill_attention_ref
+
+    g = torch.Generator().manual_seed(3)
+    bs, d, h, window = 8, 64, 4, 16
+    starts, lens = [0, 20], [30, 12]
+    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+    row_req = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lens)])
+    pool = torch.randn(16, bs, d, generator=g)
+    table = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], dtype=torch.int32)
+    q = torch.randn(len(pos), h, d, generator=g)
+    sink = torch.randn(h, generator=g)
+    floor = torch.tensor([12, 25], dtype=torch.int32)
+    ref = prefill_attention_ref(q, pos, row_req, pool, table, window, sink, floor=floor)
+    out = prefill_attention(q, pos, row_req, pool, table, window, sink, floor=floor)
+    assert torch.allclose(out, ref, atol=1e-5)
+    plain = prefill_attention_ref(q, pos, row_req, pool, table, window, sink)
+    below = pos - window + 1 < torch.where(row_req == 0, 12, 25)  # rows whose window crosses the floor
+    assert not torch.allclose(plain[below], ref[below], atol=1e-3)  # the floor changed exactly those
+    assert torch.allclose(plain[~below], ref[~below], atol=1e-6)
