@@ -56,6 +56,8 @@ def setup(llm) -> None:
     drafter = make_drafter(llm.model, llm.kv_cache, k)
     fast = llm.runner.fast
     drafter.fast_ops = fast.ops if fast is not None else None  # drafters that can, run the fused kernels
+    if fast is not None and hasattr(drafter, "prepare_graphs"):  # the draft step's graphs, captured now
+        drafter.prepare_graphs(llm.config.max_num_seqs, fast.graphs_enabled)
     curve, source = None, "default"
     if llm.config.enable_mtp_varlen:  # the confidence scheduler needs T(verify tokens)
         from .step_curve import curve_for_engine

@@ -38,8 +38,12 @@ from deepinfer.models.bounded_replay import batch_cuts
 import numpy as np
 
 from deepinfer import batch_invariant
+from deepinfer.engine import rng
 from deepinfer.models.dspark import NO_POSITION
-from deepinfer.models.fast.forward import blocks_supported, head_hidden, run_block
+from deepinfer.models.fast.draft_dspark import N_COLS, block_rows, sample_block, stages_hidden_v4, stages_hidden_v41
+from deepinfer.models.fast.draft_dspark import unpack_block
+from deepinfer.models.fast.draft_graphs import DraftGraphs
+from deepinfer.models.fast.forward import blocks_supported
 from deepinfer.models.kv_cache import GROUP_SWA, KVCache, paged_slots
 from deepinfer.models.registry import family_of
 
@@ -47,8 +51,16 @@ from .drafter import Draft, DraftContext, Drafter
 from .verify import sample_draft
 
 
+def _float_bits(x: float) -> int:
+    """The float32 bit pattern of ``x`` as an int (how a draft step's input tensor carries it)."""
+    return int(np.array([x], dtype=np.float32).view(np.int32)[0])
+
+
 class DSparkDrafter(Drafter):
     lookahead = 0  # the block's own K/V stay in the pass; nothing beyond verified tokens is written
+    #: the captured draft steps (`prepare_graphs`), None = the eager drafter
+    graphs: DraftGraphs | None = None
+    _n_graph = 0
 
     def __init__(self, model, cache: KVCache, k: int) -> None:
         cfg = model.cfg
@@ -149,23 +161,62 @@ class DSparkDrafter(Drafter):
 
     def _draft_logits_fast(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ctx_pos: torch.Tensor,
                            R: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`draft_logits` through the fused mHC / MoE kernels: each stage is one `run_block`
-        (its hc_post fused into the next stage's hc_pre, the last into hc_head + norm), with
-        the stage's dense block attention as the attention sublayer."""
-        G, ops, rotary = self.gamma, self.fast_ops, self.model.rotary_main
-        streams = self.model.embed(ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1)
-        prev = None
-        for s, stage in enumerate(self.stages):
-            pool = self.cache.swa[self._cache_id(s)]
-            ctx_kv = pool.view(-1, *pool.shape[2:])[slots]
-
-            def attention(attn, x, stage=stage, ctx_kv=ctx_kv):
-                return stage._block_attention(x, pos, G, ctx_kv, ctx_pos, rotary)
-
-            streams, prev = run_block(stage, streams, prev, ids, ops, attention)
-        h = head_hidden(self.stages[-1], ops, streams, prev)
+        """`draft_logits` through the fused mHC / MoE kernels (`fast/draft_dspark.py`): each
+        stage one `run_block` with the stage's dense block attention as its attention sublayer."""
+        h = stages_hidden_v4(self.model, self.stages, self.fast_ops, ids, pos, self.gamma,
+                             self._context_kvs(slots), ctx_pos)
         logits = self.model.head(h).float()
-        return logits.view(R, G, -1), h.view(R, G, -1)
+        return logits.view(R, self.gamma, -1), h.view(R, self.gamma, -1)
+
+    def _context_kvs(self, slots: torch.Tensor) -> list[torch.Tensor]:
+        """Every stage's context rows [R, W - 1, head_dim] at the flat pool rows ``slots``."""
+        pools = [self.cache.swa[self._cache_id(s)] for s in range(len(self.stages))]
+        return [pool.view(-1, *pool.shape[2:])[slots] for pool in pools]
+
+    # ------------------------------------------------------------------ graphed drafting
+    def prepare_graphs(self, max_num_seqs: int, enabled: bool = True) -> bool:
+        """Capture the draft step's graphs (one per batch bucket up to ``max_num_seqs`` and
+        sampling mode, `fast/draft_graphs.py`) when the runner has the fast path's ops, the
+        stages fit the fused MoE and batch-invariant mode is off; ``enabled`` False (CUDA
+        graphs off) keeps the eager drafter. Returns whether the graphed drafter is on."""
+        self.graphs = None
+        if not enabled or self.fast_ops is None or batch_invariant.enabled() or not blocks_supported(self.stages):
+            return False
+        self._n_graph = min(self.k, self.gamma)
+        hidden = stages_hidden_v4 if self.family.dspark_fused_stages else stages_hidden_v41
+        cols = N_COLS + self.cfg.sliding_window - 1
+        graphs = DraftGraphs(lambda inp, greedy_only: self._graph_body(hidden, inp, greedy_only), cols,
+                             max_num_seqs, self.model.embed.weight.device)
+        template = np.zeros(cols, dtype=np.int64)
+        template[3], template[4] = 1, _float_bits(1.0)  # greedy at temperature 1, position 0, slot 0
+        graphs.warmup(template)
+        self.graphs = graphs
+        return True
+
+    def _graph_body(self, hidden, inp: torch.Tensor, greedy_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The whole draft step of the blocks of ``inp`` on the device (`fast/draft_dspark.py`)."""
+        G, R = self.gamma, inp.shape[0]
+        ids, pos, slots, ctx_pos = block_rows(inp, G, self.cfg.sliding_window, self.cfg.dspark_noise_token_id)
+        h = hidden(self.model, self.stages, self.fast_ops, ids, pos, G, self._context_kvs(slots), ctx_pos)
+        logits = self.model.head(h).float()
+        return sample_block(inp, logits.view(R, G, -1), h.view(R, G, -1), self.stages[-1], self.temperatures,
+                            self._n_graph, greedy_only, lambda z, st: sample_draft(z, st, self.sampler))
+
+    def _propose_graphed(self, last_tokens: list[int], last_pos: list[int], tables: list[list[int]],
+                         params: list) -> list[Draft]:
+        """`draft_logits` + `draft` in one replay of the bucket's graph (temperature sampling
+        only: the caller keeps requests with top-k / top-p / min-p on the eager drafter)."""
+        W, n = self.cfg.sliding_window, self._n_graph
+        rows = np.empty((len(last_tokens), N_COLS + W - 1), dtype=np.int64)
+        for r, (tok, p, table, sp) in enumerate(zip(last_tokens, last_pos, tables, params)):
+            ctx = p + (2 - W) + np.arange(W - 1)
+            rows[r, N_COLS:] = paged_slots(table, int(ctx[0]), W - 1, self._rows_per_block(), valid=ctx >= 0)
+            greedy = sp.is_greedy
+            rows[r, :N_COLS] = (tok, p, rng.seed_to_int64(sp.seq_seed), int(greedy),
+                                _float_bits(1.0 if greedy else sp.temperature))
+        packed, q = self.graphs.run(rows, all(sp.is_greedy for sp in params))
+        toks, confs = unpack_block(packed, n)
+        return [Draft(toks[r], q[r] if q is not None else None, confs[r]) for r in range(len(toks))]
 
     @torch.no_grad()
     def draft(self, logits: torch.Tensor, h: torch.Tensor, last_tokens: list[int], last_pos: list[int],
@@ -202,7 +253,13 @@ class DSparkDrafter(Drafter):
         last_tokens = [ctx.emitted[i][-1] for i, _ in heads]
         last_pos = [ctx.batch.seqs[i].start + ctx.valid[i] - 1 for i, _ in heads]
         tables = [ctx.batch.seqs[i].block_table[GROUP_SWA] for i, _ in heads]
+        params = [r.sampling_params for _, r in heads]
+        if self.graphs is not None and n == self._n_graph:
+            if all(sp.is_greedy or (sp.top_k == -1 and sp.top_p >= 1.0 and sp.min_p <= 0.0) for sp in params):
+                drafts = self._propose_graphed(last_tokens, last_pos, tables, params)
+                return {r.req_id: d for (_, r), d in zip(heads, drafts)}
+            self.graphs.stats["eager_steps"] += 1  # top-k / top-p / min-p: outside the captured modes
         logits, h = self.draft_logits(last_tokens, last_pos, tables)
-        drafts = self.draft(logits, h, last_tokens, last_pos, [r.sampling_params for _, r in heads], n)
+        drafts = self.draft(logits, h, last_tokens, last_pos, params, n)
         return {r.req_id: d for (_, r), d in zip(heads, drafts)}
 

@@ -1,0 +1,135 @@
+"""DSpark's draft step on the compiled executor: the stages' one parallel block pass and
+the sequential sampling of the block, as device work with no host read (CUDA-graph safe).
+
+Same math as ``DSparkDrafter.draft_logits`` + ``DSparkDrafter.draft``
+(`deepinfer/spec/dspark_drafter.py`), on the fast path's kernels:
+
+* V4 stages (:func:`stages_hidden_v4`): each stage one :func:`run_block` (fused mHC, the
+  fused MoE) with the stage's dense block attention as its attention sublayer, the last
+  stage's ``hc_head`` + output norm fused with its last ``hc_post``;
+* V4.1 stages (:func:`stages_hidden_v41`): the shifted hyper-connection sites of
+  ``decode_layers_v41`` (``hc_shifted``: the previous expansion, this site's mixes, the
+  collapse and the input norm), the fused MoE with float32 router logits, the output
+  collapse + norm in one launch (``hc_collapse_norm``);
+* :func:`sample_block`: for j < n, ``d_{j+1} ~ logits_j + W2 W1[x_j]`` with the request's
+  settings and the DRAFT stream at position ``p + 2 + j``, ``c_{j+1} = sigmoid(w . [h_j ;
+  W1[x_j]] / T_j)``; every draw stays on the device (``sample`` is the spec runner's
+  ``sample_draft``, passed in so that this package does not import ``deepinfer.spec``).
+
+The block's inputs come from one int64 tensor per bucket (:data:`INPUT_COLUMNS` then the
+W - 1 context slots): ids, positions and the context's positions are derived on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from deepinfer.engine.sampler import SamplingTensors
+
+from ..dspark import NO_POSITION
+from .forward import head_hidden, run_block
+from .moe import moe_forward
+from .v41_forward import _first_pre, _route_logits, _site
+
+#: Per-request columns of a draft step's input tensor, before the context slots.
+INPUT_COLUMNS = ("last_token", "last_pos", "seed", "greedy", "temperature_bits")
+N_COLS = len(INPUT_COLUMNS)
+
+
+def block_rows(inp: torch.Tensor, gamma: int, window: int, noise_token: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [R * gamma], positions [R * gamma], context slots [R, W - 1], context positions
+    [R, W - 1]) of R draft blocks from their input tensor ``inp`` [R, N_COLS + W - 1]: block r
+    is [last token, noise x (gamma - 1)] at positions p+1..p+gamma and sees the W - 1
+    positions before it (rows before 0 are padding at ``NO_POSITION``)."""
+    r, dev = inp.shape[0], inp.device
+    last_tok, last_pos = inp[:, 0], inp[:, 1]
+    noise = torch.full((r, gamma - 1), noise_token, dtype=torch.long, device=dev)
+    ids = torch.cat([last_tok[:, None], noise], dim=1).reshape(-1)
+    pos = (last_pos[:, None] + 1 + torch.arange(gamma, device=dev)[None, :]).reshape(-1)
+    ctx_pos = last_pos[:, None] + (2 - window) + torch.arange(window - 1, device=dev)[None, :]
+    ctx_pos = torch.where(ctx_pos >= 0, ctx_pos, torch.full_like(ctx_pos, NO_POSITION))
+    return ids, pos, inp[:, N_COLS:], ctx_pos
+
+
+def stages_hidden_v4(model: Any, stages: list, ops: Any, ids: torch.Tensor, pos: torch.Tensor, gamma: int,
+                     ctx_kvs: list[torch.Tensor], ctx_pos: torch.Tensor) -> torch.Tensor:
+    """V4 stages over R blocks with fused mHC / MoE -> the normed hidden [R * gamma, D]."""
+    rotary = model.rotary_main
+    streams = model.embed(ids).unsqueeze(1).expand(-1, model.cfg.hc_mult, -1)
+    prev = None
+    for stage, ctx_kv in zip(stages, ctx_kvs):
+        def attention(attn, x, stage=stage, ctx_kv=ctx_kv):
+            return stage._block_attention(x, pos, gamma, ctx_kv, ctx_pos, rotary)
+
+        streams, prev = run_block(stage, streams, prev, ids, ops, attention)
+    return head_hidden(stages[-1], ops, streams, prev)
+
+
+def stages_hidden_v41(model: Any, stages: list, ops: Any, ids: torch.Tensor, pos: torch.Tensor, gamma: int,
+                      ctx_kvs: list[torch.Tensor], ctx_pos: torch.Tensor) -> torch.Tensor:
+    """V4.1 stages (shifted hyper-connections) over R blocks -> the normed hidden [R * gamma, D]."""
+    cfg, rotary = stages[0].cfg, model.rotary_main
+    iters, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+    streams = model.embed(ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1)
+    pre, prev = _first_pre(streams), None
+    for stage, ctx_kv in zip(stages, ctx_kvs):
+        new, a_pre, a_post, a_comb, x = ops.hc_shifted(streams, *_site(stage, "attn"), iters, hc_eps, eps, pre,
+                                                       (stage.attn_norm.weight, stage.attn_norm.eps), prev)
+        streams = streams if new is None else new
+        out = stage._block_attention(x, pos, gamma, ctx_kv, ctx_pos, rotary)
+        streams, pre, f_post, f_comb, x = ops.hc_shifted(streams, *_site(stage, "ffn"), iters, hc_eps, eps, a_pre,
+                                                         (stage.ffn_norm.weight, stage.ffn_norm.eps),
+                                                         (out, a_post, a_comb))
+        ffn = stage.ffn
+        prev = (moe_forward(ffn, x, ids, ops, logits=_route_logits(ffn.gate, x, ops)), f_post, f_comb)
+    last = stages[-1]
+    return ops.hc_collapse_norm(streams, pre, (last.norm.weight, last.norm.eps), prev)
+
+
+def block_sampling(inp: torch.Tensor, j: int, greedy_only: bool) -> SamplingTensors:
+    """Sampling tensors of draft j of every block (temperature only: steps with top-k / top-p /
+    min-p run eagerly), position p + 2 + j, on the device."""
+    r, dev = inp.shape[0], inp.device
+    greedy = inp[:, 3] != 0
+    temperature = inp[:, 4].to(torch.int32).view(torch.float32)
+    return SamplingTensors(temperature=temperature, top_k=torch.full((r,), -1, dtype=torch.long, device=dev),
+                           top_p=torch.ones(r, device=dev), min_p=torch.zeros(r, device=dev), seed=inp[:, 2],
+                           position=inp[:, 1] + 2 + j, greedy=greedy, max_top_logprobs=0, all_greedy=greedy_only,
+                           any_top_k=False, any_top_p=False, any_min_p=False)
+
+
+def sample_block(inp: torch.Tensor, logits: torch.Tensor, h: torch.Tensor, last_stage: Any,
+                 temperatures: list[float], n: int, greedy_only: bool, sample: Callable
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sequential sampling of n drafts per block: logits [R, gamma, V] (no Markov bias yet),
+    h [R, gamma, D] -> (packed [R, 2n] int64: the tokens, then the confidences' float32 bits;
+    q [R, n, V] or None when ``greedy_only``)."""
+    markov, head = last_stage.markov_head, last_stage.confidence_head
+    prev = inp[:, 0]
+    toks, confs, qs = [], [], []
+    for j in range(n):
+        emb = markov.embedding(prev)
+        z = logits[:, j] + markov(prev)
+        confs.append(head(h[:, j], emb, temperatures[j]))
+        tok, q = sample(z, block_sampling(inp, j, greedy_only))
+        toks.append(tok)
+        if q is not None:
+            qs.append(q)
+        prev = tok
+    conf_bits = torch.stack(confs, dim=1).float().view(torch.int32).to(torch.int64)
+    packed = torch.cat([torch.stack(toks, dim=1), conf_bits], dim=1)
+    return packed, (torch.stack(qs, dim=1) if qs else None)
+
+
+def unpack_block(packed: list[list[int]], n: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Host (tokens, confidences) per block of a :func:`sample_block` result read with one ``tolist``."""
+    bits = torch.tensor([row[n:] for row in packed], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    return [row[:n] for row in packed], bits.tolist()
+
+
+__all__ = ["INPUT_COLUMNS", "N_COLS", "block_rows", "block_sampling", "sample_block", "stages_hidden_v4",
+           "stages_hidden_v41", "unpack_block"]

@@ -1,0 +1,95 @@
+"""CUDA graphs of a drafter's step, one per (batch bucket, sampling mode), captured at start-up.
+
+A draft step of R requests pads to the smallest bucket of ``decode_graphs.BUCKETS`` >= R
+(up to the one holding ``max_num_seqs``) and replays the graph captured for it: the
+drafter's whole device pass (for DSpark: the stages' block pass, the head, the Markov
+bias, the confidence head and the sequential sampling of the block) from one persistent
+int64 input tensor per bucket, written by one host -> device copy; its results come back
+with one device -> host read. Rows past the real batch repeat row 0 (the pass only reads
+the cache, so padded rows change nothing).
+
+Modes: ``greedy`` (every request greedy: no draft distributions) and ``sample``
+(temperature sampling, greedy rows mixed in). A step with more requests than the largest
+bucket runs the same body eagerly on the real rows, and the drafter keeps a step where some
+request asks for top-k / top-p / min-p on its eager path (both counted in
+``stats["eager_steps"]``): nothing is captured while serving.
+
+On a host cache (CPU tests) graphs are emulated by ``DecodeGraphs``: replays run the body
+eagerly on the padded buffers, so padding, bucketing and the on-device sampling are the
+ones a GPU runs.
+
+Memory: the set is captured after the KV cache is sized (``deepinfer.spec.setup``), into a
+pool of its own; its largest outputs are the bucket's logits (R * gamma * V float32) and,
+in the sample mode, the draft distributions (R * n * V).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from .decode_graphs import BUCKETS, DecodeGraphs, rows_bucket
+
+MODES = ("greedy", "sample")
+
+
+class DraftGraphs:
+    """The captured (or emulated) draft steps of one drafter.
+
+    ``body(inp, greedy_only)``: the drafter's device pass over the rows of ``inp`` [R, cols]
+    int64 -> (packed [R, C] int64, q [R, n, V] float32 or None)."""
+
+    def __init__(self, body: Callable[[torch.Tensor, bool], tuple[torch.Tensor, Any]], cols: int, max_rows: int,
+                 device: torch.device) -> None:
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"DraftGraphs: max_rows must be an int >= 1, got {max_rows!r}")
+        if not isinstance(cols, int) or cols < 1:
+            raise ValueError(f"DraftGraphs: cols must be an int >= 1, got {cols!r}")
+        self.body, self.cols, self.device = body, cols, device
+        top = rows_bucket(max_rows) or BUCKETS[-1]
+        self.buckets = [b for b in BUCKETS if b <= top]
+        self.graphs = DecodeGraphs(device)
+        self._inputs = {b: torch.zeros(b, cols, dtype=torch.int64, device=device) for b in self.buckets}
+        self.stats = {"graph_steps": 0, "eager_steps": 0}
+
+    def warmup(self, template: np.ndarray) -> None:
+        """Capture every (bucket, mode), the largest first (the smaller graphs reuse its pool),
+        on inputs that repeat ``template`` (one request's row: reads only), then seal."""
+        row = torch.from_numpy(np.asarray(template, dtype=np.int64).reshape(1, self.cols))
+        for b in sorted(self.buckets, reverse=True):
+            self._inputs[b].copy_(row.expand(b, -1))
+            for mode in MODES:
+                self.graphs.capture((b, mode), self._inputs[b], self._fn(mode == "greedy"))
+        self.graphs.seal()
+
+    def _fn(self, greedy_only: bool) -> Callable[[torch.Tensor], tuple]:
+        return lambda inp: self.body(inp, greedy_only)
+
+    def run(self, rows: np.ndarray, greedy_only: bool) -> tuple[list[list[int]], torch.Tensor | None]:
+        """The body over ``rows`` [R, cols]: (packed rows on the host, q [R, n, V] on the device
+        or None); eager on the real rows past the largest bucket."""
+        r = rows.shape[0]
+        if r < 1 or rows.shape[1] != self.cols:
+            raise ValueError(f"DraftGraphs.run: rows must be [R >= 1, {self.cols}], got {rows.shape}")
+        b = rows_bucket(r)
+        if b is None or b not in self._inputs:
+            self.stats["eager_steps"] += 1
+            packed, q = self.body(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(self.device),
+                                  greedy_only)
+            return packed.tolist(), q
+        full = np.empty((b, self.cols), dtype=np.int64)
+        full[:r], full[r:] = rows, rows[0]
+        inp = self._inputs[b]
+        inp.copy_(torch.from_numpy(full))
+        mode = "greedy" if greedy_only else "sample"
+        packed, q = self.graphs.replay((b, mode), inp, self._fn(greedy_only))
+        self.stats["graph_steps"] += 1
+        # q is a graph output the next replay rewrites: the verify step reads it after that
+        # may have happened (async scheduling), so the requests get their own copy
+        return packed[:r].tolist(), (q[:r].clone() if q is not None else None)
+
+
+__all__ = ["DraftGraphs", "MODES"]

@@ -1,0 +1,122 @@
+"""The graphed DSpark draft step (fast/draft_graphs.py, fast/draft_dspark.py) on the host:
+the fast path forced with the kernels' torch references, graphs emulated on the padded
+bucket buffers. Every draft step of a real generation is also run by the eager drafter
+(the fused-kernel pass and the reference modules): same draft tokens, same confidences
+(within float32 rounding) for greedy requests, same tokens for seeded stochastic ones
+and the same draft distributions; greedy output with the graphed drafter equals
+greedy output without speculation. V4 and V4.1 (three stages, shifted hyper-connections)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any deepinfer_kernels module is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.models.tiny import tiny_dspark_config, tiny_v41_config, write_tiny_checkpoint  # noqa: E402
+
+from spec_common import VOCAB, mixed_prompts  # noqa: E402
+
+GREEDY = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 9, 14)]
+SEEDED = [SamplingParams(temperature=0.8, seq_seed=s, max_tokens=10, ignore_eos=True) for s in (1, 2, 3)]
+
+
+def _checkpoint(path, family: str) -> str:
+    cfg = (tiny_dspark_config(vocab_size=VOCAB, sliding_window=32) if family == "v4"
+           else tiny_v41_config(vocab_size=VOCAB, sliding_window=32))
+    write_tiny_checkpoint(str(path), seed=3, cfg=cfg)
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=["v4", "v41"])
+def ckpt(request, tmp_path_factory):
+    return _checkpoint(tmp_path_factory.mktemp(f"draft_graphs_{request.param}"), request.param)
+
+
+def _llm(ckpt: str, monkeypatch, spec: int) -> LLM:
+    monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
+    return LLM(ckpt, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+               num_speculative_tokens=spec)
+
+
+def _compare_every_step(llm: LLM) -> list[tuple]:
+    """Wrap the drafter: each step's graphed drafts next to the eager fused-kernel drafts and
+    the reference modules' drafts of the same context (feature writes are idempotent)."""
+    drafter = llm.runner.spec.drafter
+    real, steps = drafter.propose, []
+
+    def propose(ctx, k):
+        graphs, ops = drafter.graphs, drafter.fast_ops
+        drafter.graphs = None
+        fused = real(ctx, k)
+        drafter.fast_ops = None
+        ref = real(ctx, k)
+        drafter.graphs, drafter.fast_ops = graphs, ops
+        out = real(ctx, k)
+        steps.append((dict(out), fused, ref))  # the spec runner empties the dict it keeps
+        return out
+
+    drafter.propose = propose
+    return steps
+
+
+def _prompts() -> list[list[int]]:
+    return [p[:40] for p in mixed_prompts()[:3]]
+
+
+@pytest.mark.parametrize("params", ["greedy", "seeded"])
+def test_graphed_drafts_equal_eager_drafter(ckpt, monkeypatch, params):
+    llm = _llm(ckpt, monkeypatch, 4)
+    drafter = llm.runner.spec.drafter
+    assert drafter.graphs is not None and drafter.graphs.graphs.sealed
+    assert len(drafter.graphs.graphs.captured) == 2 * len(drafter.graphs.buckets)  # greedy + sample per bucket
+    steps = _compare_every_step(llm)
+    llm.generate(prompt_token_ids=_prompts(), sampling_params=GREEDY if params == "greedy" else SEEDED,
+                 use_tqdm=False)
+    assert drafter.graphs.stats["graph_steps"] == len(steps) > 3
+    assert drafter.graphs.stats["eager_steps"] == 0
+    for out, fused, ref in steps:
+        for other in (fused, ref):
+            assert sorted(out) == sorted(other)
+            for rid, d in out.items():
+                e = other[rid]
+                assert d.tokens == e.tokens and len(d.tokens) == 4
+                assert d.confidences == pytest.approx(e.confidences, abs=1e-5)
+                assert (d.probs is None) == (e.probs is None) == (params == "greedy")
+                if d.probs is not None:
+                    torch.testing.assert_close(d.probs, e.probs, atol=1e-5, rtol=1e-4)
+
+
+def test_greedy_speculation_with_graphed_drafter_equals_off(ckpt, monkeypatch):
+    off = _llm(ckpt, monkeypatch, 0)
+    want = [o.token_ids for o in off.generate(prompt_token_ids=_prompts(), sampling_params=GREEDY, use_tqdm=False)]
+    llm = _llm(ckpt, monkeypatch, 4)
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=_prompts(), sampling_params=GREEDY, use_tqdm=False)]
+    assert got == want
+    assert llm.runner.spec.drafter.graphs.stats["graph_steps"] > 0
+
+
+def test_filtered_sampling_keeps_the_eager_drafter(tmp_path, monkeypatch):
+    """top-k / top-p requests are outside the captured modes: their steps take the eager
+    drafter (counted), whose drafts they get."""
+    llm = _llm(_checkpoint(tmp_path, "v4"), monkeypatch, 3)
+    steps = _compare_every_step(llm)
+    params = [SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seq_seed=5, max_tokens=6, ignore_eos=True)]
+    llm.generate(prompt_token_ids=_prompts()[:1], sampling_params=params, use_tqdm=False)
+    stats = llm.runner.spec.drafter.graphs.stats
+    assert stats["graph_steps"] == 0 and stats["eager_steps"] == len(steps) > 0
+    for out, fused, _ in steps:
+        assert {r: d.tokens for r, d in out.items()} == {r: d.tokens for r, d in fused.items()}
+
+
+def test_draft_graphs_refuse_bad_limits():
+    from deepinfer.models.fast.draft_graphs import DraftGraphs
+
+    with pytest.raises(ValueError, match="max_rows"):
+        DraftGraphs(lambda inp, g: (inp, None), 4, 0, torch.device("cpu"))
+    with pytest.raises(ValueError, match="cols"):
+        DraftGraphs(lambda inp, g: (inp, None), 0, 4, torch.device("cpu"))
