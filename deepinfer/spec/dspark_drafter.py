@@ -41,7 +41,7 @@ from deepinfer import batch_invariant
 from deepinfer.engine import rng
 from deepinfer.models.dspark import NO_POSITION
 from deepinfer.models.fast.draft_dspark import N_COLS, block_rows, sample_block, stages_hidden_v4, stages_hidden_v41
-from deepinfer.models.fast.draft_dspark import unpack_block
+from deepinfer.models.fast.draft_dspark import device_rotary, unpack_block
 from deepinfer.models.fast.draft_graphs import DraftGraphs
 from deepinfer.models.fast.forward import blocks_supported
 from deepinfer.models.kv_cache import GROUP_SWA, KVCache, paged_slots
@@ -183,6 +183,7 @@ class DSparkDrafter(Drafter):
         if not enabled or self.fast_ops is None or batch_invariant.enabled() or not blocks_supported(self.stages):
             return False
         self._n_graph = min(self.k, self.gamma)
+        self._rotary = device_rotary(self.model.rotary_main, self.model.embed.weight.device)
         hidden = stages_hidden_v4 if self.family.dspark_fused_stages else stages_hidden_v41
         cols = N_COLS + self.cfg.sliding_window - 1
         graphs = DraftGraphs(lambda inp, greedy_only: self._graph_body(hidden, inp, greedy_only), cols,
@@ -197,7 +198,8 @@ class DSparkDrafter(Drafter):
         """The whole draft step of the blocks of ``inp`` on the device (`fast/draft_dspark.py`)."""
         G, R = self.gamma, inp.shape[0]
         ids, pos, slots, ctx_pos = block_rows(inp, G, self.cfg.sliding_window, self.cfg.dspark_noise_token_id)
-        h = hidden(self.model, self.stages, self.fast_ops, ids, pos, G, self._context_kvs(slots), ctx_pos)
+        h = hidden(self.model, self.stages, self.fast_ops, ids, pos, G, self._context_kvs(slots), ctx_pos,
+                   self._rotary)
         logits = self.model.head(h).float()
         return sample_block(inp, logits.view(R, G, -1), h.view(R, G, -1), self.stages[-1], self.temperatures,
                             self._n_graph, greedy_only, lambda z, st: sample_draft(z, st, self.sampler))

@@ -22,6 +22,7 @@ W - 1 context slots): ids, positions and the context's positions are derived on 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,8 @@ import torch
 from deepinfer.engine.sampler import SamplingTensors
 
 from ..dspark import NO_POSITION
+from ..rope import Rotary
+from .decode import _inv_freq
 from .forward import head_hidden, run_block
 from .moe import moe_forward
 from .v41_forward import _first_pre, _route_logits, _site
@@ -55,10 +58,20 @@ def block_rows(inp: torch.Tensor, gamma: int, window: int, noise_token: int
     return ids, pos, inp[:, N_COLS:], ctx_pos
 
 
+def device_rotary(rotary: Rotary, device: torch.device) -> Rotary:
+    """A copy of ``rotary`` whose frequencies live on ``device``: `Rotary.cos_sin` moves them
+    from the host on every call, a copy that a graph capture forbids."""
+    out = copy.copy(rotary)
+    out.inv_freq = _inv_freq(rotary, device)
+    return out
+
+
 def stages_hidden_v4(model: Any, stages: list, ops: Any, ids: torch.Tensor, pos: torch.Tensor, gamma: int,
-                     ctx_kvs: list[torch.Tensor], ctx_pos: torch.Tensor) -> torch.Tensor:
-    """V4 stages over R blocks with fused mHC / MoE -> the normed hidden [R * gamma, D]."""
-    rotary = model.rotary_main
+                     ctx_kvs: list[torch.Tensor], ctx_pos: torch.Tensor, rotary: Rotary | None = None
+                     ) -> torch.Tensor:
+    """V4 stages over R blocks with fused mHC / MoE -> the normed hidden [R * gamma, D]
+    (``rotary``: the model's main rope, on the device inside a graph)."""
+    rotary = rotary or model.rotary_main
     streams = model.embed(ids).unsqueeze(1).expand(-1, model.cfg.hc_mult, -1)
     prev = None
     for stage, ctx_kv in zip(stages, ctx_kvs):
@@ -70,9 +83,10 @@ def stages_hidden_v4(model: Any, stages: list, ops: Any, ids: torch.Tensor, pos:
 
 
 def stages_hidden_v41(model: Any, stages: list, ops: Any, ids: torch.Tensor, pos: torch.Tensor, gamma: int,
-                      ctx_kvs: list[torch.Tensor], ctx_pos: torch.Tensor) -> torch.Tensor:
+                      ctx_kvs: list[torch.Tensor], ctx_pos: torch.Tensor, rotary: Rotary | None = None
+                      ) -> torch.Tensor:
     """V4.1 stages (shifted hyper-connections) over R blocks -> the normed hidden [R * gamma, D]."""
-    cfg, rotary = stages[0].cfg, model.rotary_main
+    cfg, rotary = stages[0].cfg, rotary or model.rotary_main
     iters, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
     streams = model.embed(ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1)
     pre, prev = _first_pre(streams), None
@@ -131,5 +145,5 @@ def unpack_block(packed: list[list[int]], n: int) -> tuple[list[list[int]], list
     return [row[:n] for row in packed], bits.tolist()
 
 
-__all__ = ["INPUT_COLUMNS", "N_COLS", "block_rows", "block_sampling", "sample_block", "stages_hidden_v4",
-           "stages_hidden_v41", "unpack_block"]
+__all__ = ["INPUT_COLUMNS", "N_COLS", "block_rows", "block_sampling", "device_rotary", "sample_block",
+           "stages_hidden_v4", "stages_hidden_v41", "unpack_block"]
