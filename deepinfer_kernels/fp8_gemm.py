@@ -18,10 +18,10 @@ blocks ascending) whatever M is, so a row's result does not depend on the batch.
 
 :func:`fp8_linear` sends prefill-sized, ungrouped GEMMs with (128, 128) weight blocks to
 cuBLAS's block-scaled FP8 GEMM instead (``torch._scaled_mm`` with 1x128 activation and
-128x128 weight scales, the same math): on an H200 at 8k rows it runs 1.17-1.56x cuBLAS bf16
-where this kernel's best tiles reach 0.94-0.98x (profiling/fp8_prefill_tuning.py). Narrow
-outputs (N < 1024: 0.63x at N = 512), decode-sized batches and the grouped ``wo_a`` stay
-here.
+128x128 weight scales, the same math): on an H200 at 8k rows it beats cuBLAS bf16 where
+this kernel's best tiles do not quite reach it (profiling/fp8_prefill_tuning.py;
+docs/measurements.md). Narrow outputs (N < 1024, where cuBLAS FP8 loses), decode-sized
+batches and the grouped ``wo_a`` stay here.
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, n_ws_cols,
 def _config(m: int, gk: int) -> dict[str, int]:
     """Tiles by token count. Decode (few rows) is weight-read bound: narrow tiles for more
     programs, K steps of 64. Prefill: 128x128 tiles with K steps of a whole 128 scale block
-    (H200, 8k rows: 0.94-0.98x cuBLAS bf16 against 0.57-0.75x with K steps of 64;
-    profiling/results/fp8_prefill_tuning_h200_db38bed.json)."""
+    (H200, 8k rows: near cuBLAS bf16, where K steps of 64 were well below it;
+    profiling/results/fp8_prefill_tuning_h200_db38bed.json, docs/measurements.md)."""
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=min(32, gk), GROUP_M=4, num_warps=4, num_stages=1)
     if m <= 64:
@@ -105,8 +105,8 @@ def _config(m: int, gk: int) -> dict[str, int]:
 
 
 #: cuBLAS block-scaled FP8 from this many rows and output columns. H200: at 8k rows it wins
-#: every N >= 1024 (1.17-1.56x bf16); at 2k only the widest (wq_b, wo_b) beat the Triton
-#: kernel, at 256 none (each call also costs ~0.12 ms of host time: heuristics, launches)
+#: every N >= 1024; at 2k only the widest (wq_b, wo_b) beat the Triton kernel, at 256 none
+#: (each call also costs host time: heuristics, launches; docs/measurements.md)
 CUBLAS_MIN_ROWS, CUBLAS_MIN_N = 2048, 1024
 #: cuBLAS rejects (CUBLAS_STATUS_NOT_SUPPORTED) block-scaled problems whose rows are not a
 #: multiple of 16 (seen at 145 rows): the activations are padded to it

@@ -151,7 +151,7 @@ def _config(n_slots: int, n_experts: int) -> dict[str, int]:
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
     # H200 (profiling/results/kernel_bench_h200.json): T=64 at the weight-read roofline
-    # with BLOCK_M=16; at 96 and 384 rows/expert BLOCK_M=128 beat 64 (330 vs 260 TFLOP/s).
+    # with BLOCK_M=16; at 96 and 384 rows/expert BLOCK_M=128 beat 64 (docs/measurements.md).
     per_expert = n_slots / max(1, n_experts)
     if per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)

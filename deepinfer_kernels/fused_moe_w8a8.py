@@ -104,8 +104,8 @@ def w8a8_config(n_slots: int, n_experts: int, group: int) -> dict[str, int]:
     """Tiles: BLOCK_M / BLOCK_K / warps / stages shared by both GEMMs, ``DOWN_N`` the down
     GEMM's column tile (the gate/up tile is one scale group wide). H200, flash widths
     (profiling/fp8_prefill_tuning.py): 64 x 128 x 128 tiles on 8 warps, 4 stages, were
-    fastest at 2k and 8k tokens (1.81 / 5.23 ms); 4 warps spill the two accumulators
-    (4.17 / 12.6 ms), 128-row tiles were 1.5x / 1.02x slower."""
+    fastest at 2k and 8k tokens; 4 warps spill the two accumulators, 128-row tiles were
+    slower (docs/measurements.md)."""
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_K=min(32, group), DOWN_N=32, num_warps=4, num_stages=1)
     return dict(BLOCK_M=64, BLOCK_K=min(128, group), DOWN_N=128, num_warps=8, num_stages=4)

@@ -27,8 +27,8 @@ Why many narrow splits: a decode step has one to a few hundred tokens, so the ke
 latency-bound; each mix program does ONE pass over ``SPLIT`` columns (no serial loop of
 dependent loads), and the finish kernel reads each row's partials as one contiguous tile
 (the first version looped over 512-column slices and summed the partials one split at a
-time: ~50 us per call at T=1 on an H200, half of a `mini` decode step's GPU time; the
-dot kernel with narrow splits still took ~16 us at T=1, where the row kernel takes ~2.3).
+time: half of a `mini` decode step's GPU time at T=1 on an H200; the dot kernel with narrow
+splits was still several times the row kernel's time at T=1; docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -49,16 +49,15 @@ class MhcTuning:
     ``python3 profiling/mhc_tuning.py``). Steps of at most ``rows_max_t`` tokens (decode,
     speculative verify) take the row mix kernel: ``rows_split`` columns of one stream and
     ``rows_per_program`` tokens per program, ``rows_warps`` warps (hc_post_pre + norm at
-    T=1: 8.3 us for mini widths, 10.5 us for V4-Flash widths, vs 26.8 / 43.9 with the dot
-    kernel). Larger steps use the dot kernel with ``split`` columns per program up to
+    T=1 a fraction of the dot kernel's time at mini and V4-Flash widths). Larger steps use the dot kernel with ``split`` columns per program up to
     ``small_work`` = T x K elements and ``large_split`` above (fewer partials to add). A
     row's numbers depend on its own row and on which kernel its step size selects, never
     otherwise on the batch (batch-invariant mode passes one shape for every step size:
     deepinfer/models/fast/invariant.py). Prefill-sized
     bf16 steps take the tensor-core variant (``tc_*``; ``mhc_tuning.py --large``,
     profiling/results/mhc_tuning_large_h200.json): hc_post_pre + norm at 8k tokens x
-    V4-Flash widths 826 us (731 GB/s), vs 3.67 ms for the IEEE dot kernel with aligned
-    splits and 6.8 ms before the splits were aligned."""
+    V4-Flash widths several times faster than the IEEE dot kernel with aligned splits
+    (numbers in docs/measurements.md)."""
 
     split: int = 128
     large_split: int = 512
@@ -110,8 +109,8 @@ def _mix_kernel(src_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr,
     # term's dot runs on the tensor cores with exact products and float32 accumulation.
     # ALIGNED (SPLIT divides D): a program's columns lie in one stream, so the stream index
     # is a scalar and the columns are contiguous and aligned: vector loads. Otherwise every
-    # column's (stream, offset) is computed and the loads are element-wise (~20x slower at
-    # prefill sizes: 6.8 ms per call at 8k tokens x V4-Flash widths on an H200).
+    # column's (stream, offset) is computed and the loads are element-wise (an order of
+    # magnitude slower at prefill sizes on an H200: docs/measurements.md).
     pid_t, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T

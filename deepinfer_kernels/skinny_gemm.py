@@ -4,9 +4,9 @@ dense W [N, K] (the LM head of a decode step: M = the step's sampled rows, N = v
 Why a kernel: the product is a pure weight stream (a `mini` head is 129,280 x 1,024 bf16,
 265 MB): one program per BLOCK_N output columns walks K with the rows padded to one
 16-row MMA tile, so W is read once at full width. On an H200 (kernel_bench_h200.json,
-``skinny`` section, graphed) it streams the mini / V4-Flash heads at 4.1-4.5 TB/s for
-M <= 16, 1.0-1.1x cuBLAS; at M = 64 cuBLAS is faster (0.9x), so the engine keeps F.linear
-there.
+``skinny`` section, graphed) it streams the mini / V4-Flash heads near the copy ceiling for
+M <= 16, at least as fast as cuBLAS; at M = 64 cuBLAS is faster, so the engine keeps
+F.linear there (numbers in docs/measurements.md).
 
 The kernel is ``batch_invariant_matmul``'s row-tile GEMM (one tile walks K in fixed
 steps) launched with few-row tiles and many column programs. Numerics: float32
@@ -78,9 +78,10 @@ def skinny_linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype |
 def skinny_grouped_linear(x: torch.Tensor, w: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
     """``GroupedLinear`` (the attention's ``wo_a``) for a few rows: x [M, G, K] (M <= 64),
     w [G * R, K] block-diagonal by rows (group g: rows [g R, (g + 1) R)) -> [M, G * R].
-    One launch, every group's columns in its own programs. H200, batch 1: 8 us per `mini`
-    layer (4 MB) vs cuBLAS's batched GEMM 10 us; 20 vs 18 us per V4-Flash layer (64 MB),
-    so the engine keeps cuBLAS for large weights (models/fast/decode.py: grouped_out)."""
+    One launch, every group's columns in its own programs. H200, batch 1: faster than
+    cuBLAS's batched GEMM on a `mini` layer (4 MB), slower on a V4-Flash layer (64 MB), so
+    the engine keeps cuBLAS for large weights (models/fast/decode.py: grouped_out; numbers
+    in docs/measurements.md)."""
     check_device(x, w)
     if x.dim() != 3 or w.dim() != 2 or x.shape[2] != w.shape[1] or w.shape[0] % x.shape[1]:
         raise ValueError(f"skinny_grouped_linear: x must be [M, G, K] and w [G * R, K], got {tuple(x.shape)} "

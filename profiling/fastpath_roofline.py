@@ -1,6 +1,6 @@
 """Bytes and FLOPs a DeepSeek-V4 decode / prefill step must move and compute, for the
-roofline figures of profiling/fastpath_bench.py (ceilings of one H200 measured in
-REFERENCE.md section 5: 4.2 TB/s copy bandwidth, 800 TFLOP/s bf16 matmul).
+roofline figures of profiling/fastpath_bench.py (against the ceilings of one H200 measured
+in REFERENCE.md section 5: copy bandwidth and bf16 matmul).
 
 Counted from the model object:
 

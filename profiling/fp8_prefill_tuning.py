@@ -47,7 +47,7 @@ BF = torch.bfloat16
 #: (name, N, K) of flash4's FP8 linears
 DENSE = [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096), ("wo_b", 4096, 8192),
          ("shared_w1", 2048, 4096), ("shared_w2", 4096, 2048), ("proj", 4096, 4096)]
-GEMM_TILES = [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),  # 3eecacf default
+GEMM_TILES = [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),  # the earlier default (K steps of 64)
               dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4),
               dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)]
 MOE_TILES = [dict(BLOCK_M=64, BLOCK_K=128, DOWN_N=256, num_warps=8, num_stages=4),

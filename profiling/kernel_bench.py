@@ -6,7 +6,7 @@ For every kernel, at V4-Flash widths (hidden 4096, 64 heads x 512, 256 experts x
 top-6, indexer 64 x 128 top-512) and `mini` widths (hidden 1024, 16 heads, 64 experts x
 512): (a) compare with the torch reference on fresh random bf16 inputs, (b) time both
 (CUDA events after warm-up, median of N) and print GB/s and TFLOP/s against the H200
-ceilings measured here (4.2 TB/s copy, 800 TFLOP/s bf16) and the speedup, (c) write
+ceilings of REFERENCE.md section 5 (copy, bf16 matmul) and the speedup, (c) write
 JSON (results appended as they come, so a cut-short run keeps what it measured).
 """
 

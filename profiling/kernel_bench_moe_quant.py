@@ -9,9 +9,9 @@ exact, so this should be ~1).
 Widths: E routed experts + the shared one stacked as expert E (every token's last slot,
 weight 1), as the fast path runs it; k = top-k + 1. GB/s counts the weight bytes of the
 experts the batch touches (data + scales) plus activations in / out; TFLOP/s 2 * T * k * 3 * I * H.
-The bf16 kernel runs on the FP8 weights dequantized. H200 (graph replay, default tiles, flash):
-fp8 1.4-1.5x faster than bf16 at T = 1 / 64 / 256, 0.7x at 8192; fp4 ~1.0x, 0.5x at 8192 (its
-nibble decode is ALU-bound: ~1.2 TB/s of weight bytes where fp8 reads 3.4 TB/s).
+The bf16 kernel runs on the FP8 weights dequantized. On an H200 fp8 beats bf16 at decode
+sizes and loses at 8192 tokens; fp4's nibble decode is ALU-bound (the recorded run:
+profiling/results/kernel_bench_moe_quant_h200.json, summarised in docs/measurements.md).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ layer (ratio 128, every entry) and a CSA layer (ratio 4, 512 selected entries pe
 For each (rows x heads per program, keys per block, warps, stages) candidate it checks the
 output against the shipped launch shape (rel err; the key blocks change only the float32
 summation order) and times it (CUDA graph replays, kernel_bench.graph_time), with the TFLOP/s of the
-attention FLOPs (4 x heads x D per visible key) against the 800 TFLOP/s bf16 ceiling.
+attention FLOPs (4 x heads x D per visible key) against the bf16 ceiling (REFERENCE.md section 5).
 Prints a table; writes prefill_attention_tuning.json.
 """
 

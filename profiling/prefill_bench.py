@@ -15,9 +15,9 @@ Per variant:
     prompts <= 1.25 x the bf16 reference's mean + 1e-3, and no prompt's above 2 x the
     reference's largest (the two bf16 paths round at different points, so they are not
     compared with each other for the verdict; that distance is recorded). Per prompt, two
-    bf16 errors on random weights scatter by 2-7x either way (H200, mini: fast 0.079 vs
-    reference 0.051 at 700 tokens, 0.067 vs 0.379 at 2100), so a per-prompt rule fails
-    both paths at random; a wrong fast path reaches ~1 on the prompts it breaks;
+    bf16 errors on random weights scatter by several times either way (docs/measurements.md),
+    so a per-prompt rule fails both paths at random; a wrong fast path reaches ~1 on the
+    prompts it breaks;
 (b) FP8 GEMMs (GPU): the FP8 linear (act quant + Triton block-scaled GEMM) vs bf16
     F.linear vs torch's cuBLAS block-scaled _scaled_mm, on mini's projection shapes at 8192
     rows: TFLOP/s and error to the w8a8 reference;

@@ -16,7 +16,7 @@ budget loads (deepinfer/spec/step_curve.py finds the JSON by hardware + model si
    says ``complete: false``).
 3. JSON (commit, hardware, model signature, config, rows of batch / verify_per_request /
    step_ms with estimated weight bytes and FLOPs and their roofline fractions of one
-   H200's 4.2 TB/s and 800 TFLOP/s) to $OUT or profiling/results; the table is printed last.
+   H200's ceilings, REFERENCE.md section 5) to $OUT or profiling/results; the table is printed last.
 """
 
 from __future__ import annotations

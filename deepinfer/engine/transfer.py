@@ -9,8 +9,9 @@ on the launch path may synchronise with the device:
   caching host allocator keeps the block alive until the copy ran) and copies with
   ``non_blocking=True``; :func:`copy_to_device` fills a persistent device buffer from a
   numpy array through a reused pinned block (:class:`PinnedRing`, an event per block so
-  it is never rewritten before its copy ran: the fast path's step inputs, where
-  ``Tensor.pin_memory()`` per step cost ~75 us on an H200 host).
+  it is never rewritten before its copy ran: the fast path's step inputs, where a
+  ``Tensor.pin_memory()`` per step was a large share of the host's step time; numbers in
+  docs/measurements.md).
 * device -> host: :class:`ResultCopier` copies a step's sampled tokens / logprobs on its
   own CUDA stream into one reused pinned block, after the compute stream's work so far,
   and records an event. The host later waits on that event only (:meth:`HostResult.wait`,
@@ -33,9 +34,9 @@ __all__ = ["to_device", "copy_to_device", "HostResult", "ResultCopier", "PinnedR
 
 class PinnedRing:
     """Reused pinned staging blocks for copies of whole arrays (the fast path's step
-    inputs, the step results): ``Tensor.pin_memory()`` / ``torch.empty(pin_memory=True)``
-    per step cost ~40-75 us of host time each on an H200 host (host_phases_mini.json:
-    ``_host_inputs`` 168 -> 93 us, the result copy 162 -> 124 us at batch 1). A block is
+    inputs, the step results): a ``Tensor.pin_memory()`` / ``torch.empty(pin_memory=True)``
+    per step costs host time on every step (profiling/results/host_phases_mini.json; the
+    numbers in docs/measurements.md). A block is
     reused ``slots`` takes later, after the event of the copy that last used it (normally
     long done; waited on otherwise, so a block is never overwritten under a pending copy)."""
 
@@ -68,8 +69,8 @@ _H2D = PinnedRing()
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
     """``torch.tensor(values, dtype=dtype, device=device)`` without a host sync on CUDA.
     Small lists go through torch's caching pinned allocator: staging them in a
-    :class:`PinnedRing` block measured 20-40 us slower per call on an H200 host
-    (numpy conversion, views and an event per copy; host_phases_mini.json)."""
+    :class:`PinnedRing` block was slower per call (numpy conversion, views and an event per
+    copy; profiling/results/host_phases_mini.json, docs/measurements.md)."""
     if device is not None and torch.device(device).type == "cuda":
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
     return torch.tensor(values, dtype=dtype, device=device)

@@ -145,9 +145,10 @@ def attention_decode(attn: torch.nn.Module, x: torch.Tensor, ctx: Any) -> torch.
 
 #: Decode steps with at most this many rows run the attention's dense ``wo_a`` on the
 #: grouped skinny GEMM (deepinfer_kernels/skinny_gemm.py) instead of cuBLAS's batched GEMM, when its
-#: weight is at most SKINNY_GROUPED_MAX_BYTES. H200, batch 1 (fastpath_bench_h200_dfcd675
-#: vs _044b4fc): `mini` (4 MB per layer) 8 calls took 82 us in cuBLAS, 65 us here; `flash4`
-#: (64 MB per layer) 4 calls 73 us in cuBLAS (3.7 TB/s), 81 us here.
+#: weight is at most SKINNY_GROUPED_MAX_BYTES: at batch 1 on an H200 it beat cuBLAS on
+#: `mini`'s 4 MB weights and lost on `flash4`'s 64 MB ones, which cuBLAS already streams near
+#: the copy ceiling (fastpath_bench_h200_dfcd675.json vs fastpath_bench_h200_044b4fc.json;
+#: numbers in docs/measurements.md).
 SKINNY_GROUPED_MAX_ROWS = 16
 SKINNY_GROUPED_MAX_BYTES = 16 << 20
 

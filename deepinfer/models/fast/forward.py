@@ -93,7 +93,8 @@ def _head(model: Any, ops: Any, streams: torch.Tensor, prev: tuple, return_strea
 
 
 #: Decode steps with at most this many rows take the skinny GEMM for a dense LM head
-#: (1.0-1.1x cuBLAS up to 16 rows on an H200, 0.9x at 64: deepinfer_kernels/skinny_gemm.py).
+#: (as fast as cuBLAS or faster up to 16 rows on an H200, slower at 64: deepinfer_kernels/skinny_gemm.py,
+#: docs/measurements.md).
 SKINNY_HEAD_MAX_ROWS = 16
 
 

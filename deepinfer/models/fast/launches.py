@@ -4,7 +4,8 @@ style reads, which a CUDA graph capture forbids).
 
 On CUDA nearly every counted torch op is one kernel launch and every Triton launch is
 one, so ``total`` predicts the kernel count of a graphed decode step; the CPU tests use it
-to keep that count from creeping back up (the graphed step costs ~2-3 us per launch).
+to keep that count from creeping back up (every launch adds to the graphed step's time;
+docs/measurements.md).
 
     with count_fast_runs(llm.runner.fast) as steps:
         llm.generate(...)

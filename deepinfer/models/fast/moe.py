@@ -11,8 +11,9 @@ official V4 layout) run the weight-only quantized kernels
 (``deepinfer_kernels.fused_moe_quant``: the weights decoded in the kernel, bit for bit
 the reference's dequantized weights); the shared expert (FP8 in checkpoints) then runs
 its own Linears after them, as the reference adds it. Prefill-sized steps on FP8 experts
-quantize the activations too and run both GEMMs in FP8 (``fused_moe_w8a8``: 1.8x the
-weight-only kernel and 1.1x bf16 at 8k tokens on an H200, V4-Flash widths), the numerics
+quantize the activations too and run both GEMMs in FP8 (``fused_moe_w8a8``: faster than
+the weight-only kernel and than bf16 at 8k tokens on an H200, V4-Flash widths;
+docs/measurements.md), the numerics
 the dense FP8 linears already have; ``DEEPINFER_MOE_W8A8`` picks.
 """
 
@@ -29,9 +30,9 @@ W8A8_MODES = ("auto", "0", "1")  # DEEPINFER_MOE_W8A8 (declared in deepinfer/env
 #: auto takes w8a8 from this many routed rows per expert (decode batches stay weight-only,
 #: bound by weight reads, where the activation quantization would only add a launch) ...
 W8A8_MIN_ROWS_PER_EXPERT = 16
-#: ... for experts at least this wide: measured faster at V4-Flash's 2048 (flash4 8k prefill
-#: 125.6-131.0k tok/s against 96.3k weight-only), slower at mini's 512 (85.4k against 133.5k,
-#: forced; not yet profiled), so auto leaves narrower experts weight-only
+#: ... for experts at least this wide: faster than weight-only at V4-Flash's 2048 (flash4 8k
+#: prefill), slower at mini's 512 (forced; not yet profiled), so auto leaves narrower experts
+#: weight-only (the runs: docs/measurements.md)
 W8A8_MIN_INTER = 2048
 
 

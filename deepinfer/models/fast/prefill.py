@@ -95,7 +95,8 @@ class PrefillPath:
     def forward(self, batch: ForwardBatch, meta: PrefillMeta, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Final streams [T, N, D] of every row (``DeepseekV4Model.forward``'s contract), or
         of ``rows`` only [R, N, D] (the rows that sample: the last ``hc_post`` over every row
-        of an 8k-token prefill took 3 ms on an H200, for one row that needs logits)."""
+        of an 8k-token prefill is milliseconds on an H200, for one row that needs logits;
+        docs/measurements.md)."""
         model = self.model
         streams, prev = run_layers(model, batch.input_ids, self.ops, lambda attn, x: attention_prefill(
             attn, x, meta, self.cache, model.rotary_main, model.rotary_compress))

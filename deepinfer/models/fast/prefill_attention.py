@@ -20,9 +20,9 @@ from .prefill_meta import PrefillMeta
 
 #: Heads of one attention program at most, and rows x heads that window / HCA layers tile
 #: rows up to. At V4-Flash widths (64 heads x 512) one 64-head program per row with 64-key
-#: blocks took an 8k prefill's HCA layer 3.11 -> 1.72 ms and its CSA layer 9.77 -> 4.40 ms
-#: on an H200 against 32-head programs with 32-key blocks
-#: (profiling/prefill_attention_tuning.py, profiling/results/prefill_attention_tuning_h200.json).
+#: blocks nearly halved an 8k prefill's HCA and CSA layer times on an H200 against 32-head
+#: programs with 32-key blocks (profiling/prefill_attention_tuning.py,
+#: profiling/results/prefill_attention_tuning_h200.json; numbers in docs/measurements.md).
 ATTN_HEADS = 64
 ATTN_ROWS = 32
 #: Query rows of one indexer program.

@@ -198,8 +198,8 @@ class FastPath:
     def _host_inputs(self, so: Any, width: int, rows: int) -> np.ndarray:
         """The flat int32 layout of :class:`StepInputs` on the host; rows past the batch repeat row 0
         (each its own group), ids are filled on the device. Built with one numpy
-        conversion per field (per-request slice assignments: 442 vs 212 us for 64 requests
-        on the CPU box)."""
+        conversion per field (per-request slice assignments were twice as slow for 64
+        requests on the CPU box; docs/measurements.md)."""
         reqs = so.scheduled
         lens = [r.num_tokens for r in reqs]
         n, k = sum(lens), len(lens)
