@@ -122,3 +122,26 @@ def test_prefill_attention_floor_matches_reference():
     below = pos - window + 1 < torch.where(row_req == 0, 12, 25)  # rows whose window crosses the floor
     assert not torch.allclose(plain[below], ref[below], atol=1e-3)  # the floor changed exactly those
     assert torch.allclose(plain[~below], ref[~below], atol=1e-6)
+
+
+def test_v41_prefill_h200_script_tiny(tmp_path):
+    """The lead's GPU script (profiling/v41_prefill_h200.py) end to end on CPU stand-ins:
+    its JSON has the commit, hardware, config and a targets list, and its checks ran the
+    compiled executor (the small-budget engine on mixed steps)."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+    subprocess.run([sys.executable, os.path.join(root, "profiling", "v41_prefill_h200.py"), "--tiny", "--out",
+                    str(tmp_path)], check=True, env=env, timeout=600)
+    (path,) = tmp_path.glob("v41_prefill_cpu_*.json")
+    out = json.loads(path.read_text())
+    assert out["commit"] and out["hardware"] == "cpu" and out["config"]["v41"]["model_type"] == "deepseek_v41"
+    assert {t["name"] for t in out["targets"]} >= {"v41 8k prefill (compact) / v4 8k prefill"}
+    for mode in ("off", "mask", "compact", "mixed_compact"):
+        check = out["v41"][mode]["check"]
+        assert check["compiled_prefill_steps"] > 0 and check["first_token_equal"]
+    assert out["v41"]["compact"]["prefill"]["path"] == "compiled"
+    assert out["v41"]["compact"]["prefill_reference"]["path"] == "reference"
