@@ -21,6 +21,9 @@ TARGETS=(tests)
 # Notebooks run top to bottom on CPU (nbval, from the `workbench` extra); their assert
 # cells fail the run. Outputs are not compared (--nbval-lax); notebooks/conftest.py skips
 # plotly/widget MIME types and the sanitize file masks timings for cells that opt in.
+# A notebook that tests/browser runs (Run All in JupyterLab, failing on any error output) is
+# not collected by nbval in the same run when chromium is installed: each notebook runs once
+# (notebooks/conftest.py; tests/test_notebook_collection.py checks it).
 TARGETS+=(--nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks/)
 
 if [[ $# -eq 0 ]]; then
