@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -104,3 +105,71 @@ def test_waiting_queue_is_bounded(llm):
         deadline.wait(0.05)
     client.shutdown()
     assert not core.has_unfinished() and len(core.outputs) == 0
+
+
+def test_request_whose_event_loop_closed_is_aborted(llm):
+    """A consumer's loop that closes without closing its stream (a notebook cell's loop torn
+    down, a worker thread gone) can never read again: the request is aborted, its blocks freed."""
+    core = llm.engine
+    aborted: list[str] = []
+    real_abort = core.abort
+
+    def abort(request_id: str):
+        aborted.append(request_id)
+        return real_abort(request_id)
+
+    core.abort = abort
+    client = AsyncEngineClient(core, max_waiting=4)
+    client.start()
+    loop = asyncio.new_event_loop()
+    try:
+        sp = SamplingParams(max_tokens=200, ignore_eos=True, seq_seed=3).for_request()
+        gens = []  # kept referenced: the generator is never finalized
+
+        async def first() -> None:
+            gens.append(client.generate("orphan", list(range(10, 40)), sp))
+            await gens[0].__anext__()
+
+        loop.run_until_complete(first())
+        loop.close()  # no aclose(): the generator's finally never runs
+        for _ in range(600):
+            if aborted and not core.has_unfinished():
+                break
+            threading.Event().wait(0.01)
+        assert aborted == ["orphan"]
+        assert core.scheduler.requests == {} and max(core.kv_manager.usage().values()) == 0.0
+        assert len(core.outputs) == 0 and client.timing("orphan") is None
+    finally:
+        client.shutdown()
+        del core.abort
+
+
+def test_merged_deltas_of_a_slow_consumer_add_up(llm):
+    """Deltas that pile up while a consumer is busy reach it merged: the same text, ids and
+    logprobs as the offline output, in fewer pieces."""
+    core = llm.engine
+    sp = SamplingParams(max_tokens=24, temperature=0.9, seq_seed=9, top_logprobs=1, ignore_eos=True)
+    ref = llm.generate(["A slow reader"], sp, use_tqdm=False)[0]
+    ids = core.tokenizer.encode("A slow reader")
+    client = AsyncEngineClient(core, max_waiting=4)
+    client.start()
+    try:
+        async def run() -> list:
+            got = []
+            async for d in client.generate("slow", ids, sp.for_request(), prompt="A slow reader"):
+                got.append(d)
+                # hold the loop while the engine takes three more steps (or ends the request)
+                until, deadline = client.num_steps + 3, time.monotonic() + 10
+                while client.num_steps < until and client.core.has_unfinished() and time.monotonic() < deadline:
+                    time.sleep(0.002)
+            return got
+
+        got = asyncio.run(run())
+    finally:
+        client.shutdown()
+    assert len(got) < len(ref.token_ids)  # merged
+    assert "".join(d.text for d in got) == ref.text
+    assert [t for d in got for t in d.token_ids] == ref.token_ids
+    assert [x for d in got for x in d.logprobs] == pytest.approx(ref.logprobs, abs=1e-5)
+    assert [x for d in got for x in d.top_logprobs] == ref.top_logprobs
+    assert got[-1].finish_reason == "length" and got[-1].output.token_ids == ref.token_ids

@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from deepinfer.engine.async_client import AsyncEngineClient, EngineDeadError
+from deepinfer.engine.client_base import EngineDeadError, StreamingClient
 from deepinfer.serve.handlers import Handlers
 from deepinfer.serve.metrics import ServeMetrics
 from deepinfer.serve.protocol import APIError, parse_body
@@ -63,7 +63,7 @@ class _Guard:
         return None
 
 
-def build_app(client: AsyncEngineClient, metrics: ServeMetrics, model_name: str, api_key: str | None = None,
+def build_app(client: StreamingClient, metrics: ServeMetrics, model_name: str, api_key: str | None = None,
               max_body_bytes: int = 4 * 2**20) -> FastAPI:
     """The app over a started client (the caller owns the client's lifetime)."""
     app = FastAPI(title="deepinfer", docs_url=None, redoc_url=None)
@@ -112,8 +112,8 @@ def build_app(client: AsyncEngineClient, metrics: ServeMetrics, model_name: str,
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "deepinfer",
-                                            "max_model_len": client.core.config.max_model_len,
-                                            "vocab_size": client.core.model_config.vocab_size}]}
+                                            "max_model_len": client.config.max_model_len,
+                                            "vocab_size": client.model_config.vocab_size}]}
 
     @app.get("/health")
     async def health() -> Response:

@@ -23,8 +23,7 @@ from deepinfer.chat.parse import _FINISH, parse_completion
 from deepinfer.chat.render import render_prompt
 from deepinfer.chat.requests import normalise_chat_inputs
 from deepinfer.chat.runner import chat_sampling_params, replace_sampling_params
-from deepinfer.engine.admission import admit_generate
-from deepinfer.engine.async_client import AsyncEngineClient, EngineOverloadedError
+from deepinfer.engine.client_base import EngineOverloadedError, StreamingClient
 from deepinfer.engine.output_processor import StreamDelta
 from deepinfer.errors import InvalidRequestError
 from deepinfer.sampling_params import SamplingParams
@@ -42,10 +41,10 @@ def sse(obj: dict[str, Any]) -> str:
 
 
 class Handlers:
-    """The endpoints' logic over one `AsyncEngineClient`."""
+    """The endpoints' logic over one engine client (thread or process: `StreamingClient`)."""
 
-    def __init__(self, client: AsyncEngineClient, model_name: str) -> None:
-        self.client, self.core, self.model_name = client, client.core, model_name
+    def __init__(self, client: StreamingClient, model_name: str) -> None:
+        self.client, self.model_name = client, model_name
 
     # ---- shared ------------------------------------------------------------------------
     def _check_model(self, f: CommonFields) -> None:
@@ -56,15 +55,10 @@ class Handlers:
     async def _admit(self, prompt: str | None, ids: list[int] | None,
                      params: list[SamplingParams]) -> tuple[list[int], list[SamplingParams]]:
         """The engine's own admission checks, off the event loop (tokenizing, grammar compiles)."""
-        loop = asyncio.get_running_loop()
-        kwargs = ({"prompts": [prompt] * len(params), "prompt_token_ids": None} if prompt is not None
-                  else {"prompts": None, "prompt_token_ids": [ids] * len(params)})
         try:
-            items, checked = await loop.run_in_executor(
-                None, lambda: admit_generate(self.core, sampling_params=params, **kwargs))
+            return await self.client.admit(prompt, ids, params)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param=exc.field) from None
-        return items[0][1], checked
 
     def _submit(self, ids: list[int], params: list[SamplingParams], prompt: str | None) -> list[AsyncIterator]:
         base = uuid.uuid4().hex[:16]
@@ -114,7 +108,7 @@ class Handlers:
                 t.cancel()
 
     def _token_logprobs(self, d: StreamDelta, top: int) -> list[dict[str, Any]]:
-        tok = self.core.tokenizer
+        tok = self.client.tokenizer
         out = []
         for j, t in enumerate(d.token_ids):
             s = tok.decode([t], skip_special_tokens=False)
@@ -135,7 +129,7 @@ class Handlers:
 
     # ---- /v1/completions -----------------------------------------------------------------
     async def completions(self, body: dict[str, Any]) -> tuple[dict[str, Any] | None, AsyncIterator[str] | None]:
-        f = common_fields(body, chat=False, max_model_len=self.core.config.max_model_len)
+        f = common_fields(body, chat=False, max_model_len=self.client.config.max_model_len)
         self._check_model(f)
         if body.get("echo"):
             raise bad("echo", "is not supported")
@@ -185,16 +179,16 @@ class Handlers:
 
     # ---- /v1/chat/completions ------------------------------------------------------------
     async def chat(self, body: dict[str, Any]) -> tuple[dict[str, Any] | None, AsyncIterator[str] | None]:
-        f = common_fields(body, chat=True, max_model_len=self.core.config.max_model_len)
+        f = common_fields(body, chat=True, max_model_len=self.client.config.max_model_len)
         self._check_model(f)
         recipe_body = {k: v for k, v in body.items() if k not in _SERVER_KEYS}
         if f.max_tokens is not None:
             recipe_body["max_tokens"] = f.max_tokens
         recipe_body["model"] = self.model_name
         try:
-            req = normalise_chat_inputs(recipe_body, self.core.model_config.model_type)[0]
-            rendered = render_prompt(req.converted, self.core.tokenizer)
-            sp = chat_sampling_params(req, None, len(rendered.token_ids), self.core.config.max_model_len)
+            req = normalise_chat_inputs(recipe_body, self.client.model_config.model_type)[0]
+            rendered = render_prompt(req.converted, self.client.tokenizer)
+            sp = chat_sampling_params(req, None, len(rendered.token_ids), self.client.config.max_model_len)
             constraint = req.converted.inference_options.output_constraint
             if constraint is not None:
                 sp = replace_sampling_params(sp, structured_output=_spec_of(constraint, req.thinking))

@@ -4,16 +4,15 @@ with a ``deepinfer:`` prefix so existing dashboards map over.
 Latencies are what a client of this server sees, on the engine thread's host clock:
 TTFT from the request's arrival at the server to the step that produced its first token,
 ITL per token between steps, TPOT = (last - first token) / (tokens - 1), e2e to the last.
-Engine state (running / waiting, KV usage) is sampled after every step.
+Engine state (running / waiting, KV usage, speculative acceptance) is the client's
+`EngineStats` snapshot, taken where the engine runs after every step.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from deepinfer.engine.async_client import RequestTiming
+from deepinfer.engine.client_base import EngineStats, RequestTiming
 from deepinfer.engine.output_processor import StreamDelta
 
 __all__ = ["ServeMetrics"]
@@ -26,8 +25,7 @@ _TOKEN = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2
 class ServeMetrics:
     """The server's collectors in their own registry (several servers in one process stay apart)."""
 
-    def __init__(self, core: Any, model_name: str) -> None:
-        self.core = core
+    def __init__(self, model_name: str) -> None:
         self.registry = r = CollectorRegistry()
         labels = ["model_name"]
         self.ttft = Histogram("deepinfer:time_to_first_token_seconds", "Time to first token", labels,
@@ -60,15 +58,19 @@ class ServeMetrics:
         self.spec_mean_accepted = Gauge("deepinfer:spec_decode_mean_accepted_length", "Accepted drafts per "
                                         "verified request-step", labels, registry=r).labels(model_name)
         self.steps = Counter("deepinfer:engine_steps", "Engine steps", labels, registry=r).labels(model_name)
+        self.step_seconds = Counter("deepinfer:engine_step_seconds", "Seconds the engine spent in its steps "
+                                    "(busy time: over wall time, how well the engine is kept fed)", labels,
+                                    registry=r).labels(model_name)
         self.model_name = model_name
         self._prompt_total = 0
         self._cached_total = 0
 
-    def on_step(self, deltas: list[StreamDelta], timings: dict[str, RequestTiming], step_s: float) -> None:
-        """Engine-thread hook of `AsyncEngineClient` (one call per loop turn)."""
-        core = self.core
+    def on_step(self, deltas: list[StreamDelta], timings: dict[str, RequestTiming], step_s: float,
+                stats: EngineStats) -> None:
+        """The engine client's hook (one call per engine turn; ``stats`` taken after it)."""
         if step_s > 0:
             self.steps.inc()
+            self.step_seconds.inc(step_s)
         for d in deltas:
             t = timings.get(d.request_id)
             if d.token_ids:
@@ -92,19 +94,15 @@ class ServeMetrics:
                     self.e2e.observe(t.last_token - t.submitted)
                     if t.num_output_tokens > 1 and t.first_token is not None:
                         self.tpot.observe((t.last_token - t.first_token) / (t.num_output_tokens - 1))
-        sched = core.scheduler
-        self.running.set(sched.num_running)
-        self.waiting.set(sched.num_waiting + len(core.structured.pending))
-        usage = core.kv_manager.usage()
-        self.kv_usage.set(max(usage.values()) if usage else 0.0)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
         if self._prompt_total:
             self.prefix_hit_rate.set(self._cached_total / self._prompt_total)
-        spec = getattr(core.runner, "spec", None)
-        if spec is not None:
-            m = spec.metrics
-            proposed = sum(m.proposed)
-            self.spec_acceptance.set(sum(m.accepted) / proposed if proposed else 0.0)
-            self.spec_mean_accepted.set(m.mean_accepted_length)
+        if stats.spec_acceptance is not None:
+            self.spec_acceptance.set(stats.spec_acceptance)
+        if stats.spec_mean_accepted is not None:
+            self.spec_mean_accepted.set(stats.spec_mean_accepted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -55,6 +55,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="sys.setswitchinterval for this process (default: Python's 5 ms). The engine thread drops "
                    "the GIL in every torch op and must win it back from the event loop; smaller values hand it "
                    "back sooner (see the README's serving measurements)")
+    p.add_argument("--engine-client", default="process", choices=["process", "thread"],
+                   help="where the engine's step loop runs: its own process (default; the event loop's Python "
+                   "never holds up a step) or a thread of the server's process (no pickling; shares the GIL "
+                   "with HTTP). profiling/serve_h200.py measures both")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     engine = p.add_argument_group("engine arguments (EngineConfig; unset: DEEPINFER_* or the default)")
     for name, tp, _ in _engine_fields():
@@ -70,12 +74,27 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name, _, _ in _engine_fields() if getattr(args, name) is not None}
 
 
+def make_client(kind: str, kwargs: dict[str, Any], max_waiting: int, on_step: Any = None) -> Any:
+    """A started engine client of ``kind`` ("process" | "thread") over ``EngineCore(**kwargs)``."""
+    if kind == "process":
+        from deepinfer.engine.process_client import ProcessEngineClient
+
+        client = ProcessEngineClient(kwargs, max_waiting=max_waiting, on_step=on_step)
+    elif kind == "thread":
+        from deepinfer.engine.async_client import AsyncEngineClient
+        from deepinfer.engine.core import EngineCore
+
+        client = AsyncEngineClient(EngineCore(**kwargs), max_waiting=max_waiting, on_step=on_step)
+    else:
+        raise ValueError(f"--engine-client must be 'process' or 'thread', got {kind!r}")
+    client.start()
+    return client
+
+
 def serve(args: argparse.Namespace) -> int:
-    """Build the engine, start its thread, serve HTTP until interrupted."""
+    """Start the engine client (--engine-client), serve HTTP until interrupted."""
     import uvicorn
 
-    from deepinfer.engine.async_client import AsyncEngineClient
-    from deepinfer.engine.core import EngineCore
     from deepinfer.serve.app import build_app
     from deepinfer.serve.metrics import ServeMetrics
 
@@ -88,11 +107,10 @@ def serve(args: argparse.Namespace) -> int:
     # on 2 busy CPU cores, 200 streams: 39-43 output tok/s at 5 ms, 36-79 at 0.5 ms (README): not settled
     sys.setswitchinterval(args.gil_switch_interval_ms / 1000)
     logging.basicConfig(level=args.log_level.upper())
-    core = EngineCore(**engine_kwargs(args))
-    name = args.served_model_name or os.path.basename(os.path.normpath(str(core.model_dir)))
-    metrics = ServeMetrics(core, name)
-    client = AsyncEngineClient(core, max_waiting=args.max_waiting, on_step=metrics.on_step)
-    client.start()
+    client = make_client(args.engine_client, engine_kwargs(args), args.max_waiting)
+    name = args.served_model_name or os.path.basename(os.path.normpath(str(client.model_dir)))
+    metrics = ServeMetrics(name)
+    client.on_step = metrics.on_step  # before the first request: no step has run yet
     app = build_app(client, metrics, name, api_key=args.api_key or None, max_body_bytes=args.max_body_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=2)

@@ -1,0 +1,81 @@
+"""ProcessEngineClient without HTTP: the engine core in a spawned process streams the same
+tokens as `LLM.generate`, refuses a bad request at admission (the field named, the engine
+serving on), frees an aborted request's KV blocks, fails waiting consumers when the engine
+process dies, and reports a bad engine argument as the thread client would."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.engine.client_base import EngineDeadError
+from deepinfer.engine.process_client import ProcessEngineClient
+from deepinfer.errors import ConfigError, InvalidRequestError
+
+ENGINE = {"max_model_len": 256, "max_num_seqs": 8, "max_num_batched_tokens": 256}
+
+
+def _wait(cond, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_process_client_serves_like_generate():
+    llm = LLM(**ENGINE)
+    sp = SamplingParams(max_tokens=16, temperature=0.9, seq_seed=21, stop=[" the"], top_logprobs=1)
+    refs = llm.generate(["The old man and", "Once upon"], sp, use_tqdm=False)
+    steps: list[float] = []
+    client = ProcessEngineClient(ENGINE, max_waiting=8, on_step=lambda d, t, s, st: steps.append(s))
+    client.start()
+    try:
+        assert client.config.max_model_len == 256 and client.model_config.vocab_size == llm.model_config.vocab_size
+
+        async def run() -> tuple[list, list, float]:
+            outs = []
+            for i, prompt in enumerate(["The old man and", "Once upon"]):
+                ids, checked = await client.admit(prompt, None, [sp])
+                outs.append([d async for d in client.generate(f"r{i}", ids, checked[0], prompt)])
+            with pytest.raises(InvalidRequestError) as bad:
+                await client.admit(None, [10, 10**9], [sp])
+            # an abort mid-generation frees the request's blocks in the engine process
+            ids, checked = await client.admit(None, list(range(10, 60)), [SamplingParams(max_tokens=200,
+                                                                                           ignore_eos=True)])
+            gen = client.generate("long", ids, checked[0])
+            seen = [await gen.__anext__() for _ in range(2)]
+            assert client.num_running() == 1
+            await gen.aclose()
+            freed = await asyncio.to_thread(_wait, lambda: client.num_running() == 0
+                                            and client._stats.kv_usage == 0.0)
+            # the engine process dies mid-request: the consumer hears of it, and new requests too
+            gen = client.generate("dies", ids, checked[0])
+            await gen.__anext__()
+            client._proc.kill()
+            with pytest.raises(EngineDeadError):
+                async for _ in gen:
+                    pass
+            with pytest.raises(EngineDeadError):
+                client.submit("after", ids, checked[0])
+            return outs, [bad.value.field, len(seen)], freed
+
+        outs, (field, n_seen), freed = asyncio.run(asyncio.wait_for(run(), 120))
+    finally:
+        client.shutdown()
+    for deltas, ref in zip(outs, refs):
+        assert "".join(d.text for d in deltas) == ref.text
+        assert [t for d in deltas for t in d.token_ids] == ref.token_ids
+        assert deltas[-1].finish_reason == ref.finish_reason and deltas[-1].output.text == ref.text
+    assert field == "prompt_token_ids" and n_seen == 2 and freed
+    assert any(s > 0 for s in steps) and not client.alive
+
+
+def test_process_client_start_errors():
+    with pytest.raises(ConfigError, match="max_num_seqs"):  # the child's own exception, not a traceback dump
+        ProcessEngineClient({"max_num_seqs": 0}).start()
+
