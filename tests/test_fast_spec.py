@@ -36,7 +36,8 @@ def test_verify_on_fast_path_equals_no_speculation(ckpt, reference, monkeypatch,
     llm = make_llm(ckpt, num_speculative_tokens=k, enable_mtp_varlen=varlen, max_num_batched_tokens=64)
     fast = llm.runner.fast
     rows_per_request: list[int] = []
-    original = fast.forward_streams
+    verify = llm.runner.spec.verify_executor(llm.runner)  # the compiled verify steps
+    original = verify.forward
 
     def recorded(so, batch, capture=None):
         out = original(so, batch, capture)
@@ -44,7 +45,7 @@ def test_verify_on_fast_path_equals_no_speculation(ckpt, reference, monkeypatch,
             rows_per_request.append(max(r.num_tokens for r in so.scheduled))
         return out
 
-    fast.forward_streams = recorded
+    verify.forward = recorded
     outs = llm.generate(prompt_token_ids=mixed_prompts(), sampling_params=PARAMS, use_tqdm=False)
     assert [o.token_ids for o in outs] == reference
     assert rows_per_request and max(rows_per_request) > 1, "no verify step with drafts ran on the fast path"

@@ -131,7 +131,8 @@ def test_v41_verify_rows_on_the_fast_path(ckpt, monkeypatch, replay, graphs):
               swa_replay_keep=KEEP, num_speculative_tokens=3, max_num_batched_tokens=64)
     fast, drafter = llm.runner.fast, llm.runner.spec.drafter
     rows_per_request: list[int] = []
-    original, propose = fast.forward_streams, drafter.propose
+    verify = llm.runner.spec.verify_executor(llm.runner)  # the compiled verify steps
+    original, propose = verify.forward, drafter.propose
     known = {tuple(p): o.token_ids for p, o in zip(PROMPTS, ref)}
     rng = random.Random(3)
 
@@ -150,7 +151,7 @@ def test_v41_verify_rows_on_the_fast_path(ckpt, monkeypatch, replay, graphs):
                 d.tokens = (known[tuple(req.prompt_token_ids)][done: done + j] + d.tokens[j:])[: len(d.tokens)]
         return out
 
-    fast.forward_streams, drafter.propose = recorded, mostly_right
+    verify.forward, drafter.propose = recorded, mostly_right
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=sp, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]

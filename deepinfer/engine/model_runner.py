@@ -145,8 +145,7 @@ class ModelRunner:
                 rows = (to_device(last, torch.long, self.device) if last
                         else torch.empty(0, dtype=torch.long, device=self.device))
                 if prefill is not None and invariant:  # the decode step's head for those rows
-                    from deepinfer.models.fast.invariant_prefill import prefill_logits
-                    step.logits = prefill_logits(self.model, self.cache, batch.input_ids, prefill, rows)
+                    step.logits = self.fast_prefill.invariant_logits(batch, prefill, rows)
                 elif prefill is not None:  # the last hc_post only for those rows
                     picked = self.fast_prefill.forward(batch, prefill, rows)
                 else:
@@ -215,9 +214,11 @@ class ModelRunner:
     def warmup(self, max_num_seqs: int, max_model_len: int, block_size: int) -> int:
         """Capture the fast path's decode CUDA graphs for these limits up front, largest
         first (compiles its kernels too); returns how many shapes ran (0 off the fast path)."""
-        if self.fast is None or self.spec is not None:
+        if self.fast is None:
             return 0
         with torch.no_grad(), bi.batch_invariant_mode(self.batch_invariant):  # the graphs' mode
+            if self.spec is not None:  # speculative steps: the verify (and draft) graphs instead
+                return self.spec.warmup(self, max_num_seqs, max_model_len, block_size)
             return self.fast.warmup(max_num_seqs, max_model_len, block_size)
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:

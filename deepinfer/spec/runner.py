@@ -17,24 +17,28 @@ import torch
 from deepinfer import batch_invariant
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.sampler import SamplingTensors
+from deepinfer.engine.transfer import to_device
 from deepinfer.models.bounded_replay import replay_free
+from deepinfer.models.fast.decode_graphs import BUCKETS
+from deepinfer.models.fast.verify_graphs import VerifyGraphs, verify_row_buckets, verify_shapes
 from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, phase
 
 from .drafter import Draft, DraftContext, Drafter
 from .metrics import SpecMetrics
 from .scheduling import StepTimeCurve, split_budget
 from .step_curve import OnlineStepTimeCurve
-from .verify import drafts_to_verify, rejection_sample
+from .verify import drafts_to_verify, rejection_sample_device
 
 
 def forward_capture(model, batch, cache, layers: tuple[int, ...], fast=None, so=None
                     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """`DeepseekV4Model.forward` that also returns the INPUT streams [T, N, D] of ``layers``
-    (their attention input: DSpark's target features). ``fast`` (the runner's GPU fast
-    path) runs verify steps (every request a token and its drafts) batched."""
+    (their attention input: DSpark's target features). ``fast`` (the compiled verify
+    executor, `models/fast/verify_graphs.VerifyGraphs`) runs verify steps (every request a
+    token and its drafts) batched, from the graphs captured at start-up."""
     if fast is not None:
         hidden = dict.fromkeys(layers)
-        streams = fast.forward_streams(so, batch, hidden if layers else None)
+        streams = fast.forward(so, batch, hidden if layers else None)
         if streams is not None:
             return streams, hidden
     if not layers:
@@ -65,6 +69,34 @@ class SpecDecoder:
         #: steps old). A budget that depended on the newest confidences would make whether draft j
         #: is verified depend on draft j itself (c_{j+1} reads x_j): not lossless.
         self.older_confidences: list[list[float]] | None = None
+        self._verify = None  # VerifyGraphs once built (verify_executor)
+
+    # ------------------------------------------------------------ compiled verify
+    def verify_executor(self, runner, max_num_seqs: int = BUCKETS[-1]):
+        """The runner's compiled verify executor (built once; None off the fast path or for a
+        family whose verify rows stay on the reference path)."""
+        if self._verify is None and runner.fast is not None and runner.fast.program.streams is not None:
+            self._verify = VerifyGraphs(runner.fast, tuple(self.drafter.target_layers),
+                                        verify_row_buckets(max_num_seqs, self.k))
+        return self._verify
+
+    def warmup(self, runner, max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+        """Capture the verify graphs of every shape these limits allow (and the drafter's,
+        when it has a ``warmup(runner, max_num_seqs, max_model_len, block_size)``), then seal
+        the fast path's graph set: nothing is captured while serving. Returns the number of
+        graphs captured (0 off the fast path, without graphs, or in batch-invariant mode,
+        whose verify rows run the reference path)."""
+        fast = runner.fast
+        verify = self.verify_executor(runner, max_num_seqs)
+        if verify is None or not fast.warms_up() or runner.batch_invariant:
+            return 0
+        n = 0
+        draft_warmup = getattr(self.drafter, "warmup", None)
+        if draft_warmup is not None:
+            n += int(draft_warmup(runner, max_num_seqs, max_model_len, block_size) or 0)
+        n += verify.warmup(verify_shapes(max_num_seqs, self.k, max_model_len, block_size))
+        fast.graphs.seal()
+        return n
 
     # ------------------------------------------------------------------ host side
     def attach(self, scheduler, structured=None) -> None:
@@ -131,7 +163,7 @@ class SpecDecoder:
         with phase(MODEL):
             # bounded replay changes nothing for rows whose windows start after the cut
             free = replay_free(so, runner.replay, model.cfg)
-            fast = runner.fast if free and not batch_invariant.enabled() else None
+            fast = self.verify_executor(runner) if free and not batch_invariant.enabled() else None
             streams, hidden = forward_capture(model, batch, runner.cache, tuple(self.drafter.target_layers), fast, so)
         picks = [i for i, r in enumerate(so.scheduled) if r.needs_sample]
         valid = [r.num_tokens - r.num_draft_tokens for r in so.scheduled]
@@ -160,37 +192,49 @@ class SpecDecoder:
                     self.probs.pop(so.scheduled[i].req_id, None)
             dev = runner.device
             with phase(LOGITS):
-                logits = model.compute_logits(streams[torch.tensor(rows, device=dev)])
+                logits = model.compute_logits(streams[to_device(rows, torch.long, dev)])
             if grammar is not None:  # row j of a request: its grammar after drafts[:j]
                 grammar.apply_verify(logits, layout)
             st = SamplingTensors.from_params(params, positions, dev)
-            draft_t = torch.tensor(draft_ids, dtype=torch.long, device=dev)
+            draft_t = to_device(draft_ids, torch.long, dev)
             probs = None
             if any(q is not None for q in qs):
                 V = logits.shape[1]
                 parts = []
-                for q, k, (j0) in zip(qs, nd, range(len(nd))):
+                for q, k in zip(qs, nd):
                     parts.append(q.to(dev).float() if q is not None else torch.zeros(k, V, device=dev))
                     parts.append(torch.zeros(1, V, device=dev))
                 probs = torch.cat(parts)
                 onehot = torch.nn.functional.one_hot(draft_t.clamp(min=0), V).float()
-                none_rows = torch.tensor(sum(([q is None] * (k + 1) for q, k in zip(qs, nd)), []), device=dev)
+                none_rows = to_device(sum(([q is None] * (k + 1) for q, k in zip(qs, nd)), []), torch.bool, dev)
                 probs = torch.where(none_rows.unsqueeze(1), onehot, probs)
             with phase(SAMPLE):
-                res = rejection_sample(logits, st, nd, draft_t, probs, runner.sampler, rule=self.rule)
+                raw_lp = torch.log_softmax(logits.float(), dim=-1) if any_top else None
+                dv = rejection_sample_device(logits, st, nd, draft_t, probs, runner.sampler, rule=self.rule,
+                                             raw_logprobs=raw_lp)
+                tensors = [dv.packed]
+                kt_max = max((so.scheduled[i].sampling_params.top_logprobs for i in picks), default=0)
+                if any_top:  # every emitted slot's top log-probs, in the same copy
+                    v, ids = torch.topk(raw_lp[dv.rows], min(kt_max, raw_lp.shape[1]), dim=-1)
+                    tensors += [ids, v]
+                # the step's one device -> host copy (pinned, on the copy stream): the drafter
+                # needs the accepted counts and tokens on the host
+                host = runner.copier.start(tensors).wait()
+                res = dv.to_result(host[0])
             self.metrics.record(nd, res.num_accepted)
             self.metrics.record_confidences([self.confidences.pop(so.scheduled[i].req_id, [])[:k]
                                              for i, k in zip(picks, nd)], res.num_accepted)
-            raw_lp = torch.log_softmax(logits.float(), dim=-1) if any_top else None
+            top_ids = host[1].tolist() if any_top else None
+            top_vals = host[2].tolist() if any_top else None
             for j, i in enumerate(picks):
                 sampled[i] = res.tokens[j]
                 emitted[i] = res.tokens[j]
                 logprobs[i] = res.logprobs[j]
                 valid[i] += res.num_accepted[j]
                 kt = so.scheduled[i].sampling_params.top_logprobs
-                if kt and raw_lp is not None:
-                    v, ids = torch.topk(raw_lp[torch.tensor(res.rows[j], device=dev)], min(kt, raw_lp.shape[1]))
-                    tops[i] = [list(zip(a, b)) for a, b in zip(ids.tolist(), v.tolist())]
+                n_out = len(res.tokens[j])
+                if kt and top_ids is not None:
+                    tops[i] = [list(zip(a[:kt], b[:kt])) for a, b in zip(top_ids[j][:n_out], top_vals[j][:n_out])]
                 else:
                     tops[i] = [[] for _ in res.tokens[j]]
         ctx = DraftContext(batch, streams, hidden, so.scheduled, valid, emitted)

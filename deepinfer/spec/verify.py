@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deepinfer.engine import rng
@@ -115,6 +116,123 @@ def rejection_sample(logits: torch.Tensor, params: SamplingTensors, num_drafts: 
         out.logprobs.append(lps[i: i + len(toks)])
         i += len(toks)
     return out
+
+
+@dataclass
+class DeviceVerify:
+    """The verify step's results on the device, padded per request to ``K + 1`` slots
+    (K = the step's largest draft count): ``packed`` int64 [B, 2 (K + 1) + 1] holds, per
+    request, the accepted count, the emitted tokens (-1 past the last) and the float32
+    bits of their raw-model log-probs, so the host needs one small copy per step.
+    ``rows`` [B, K + 1]: the logits row of each slot (the last valid row repeated past the
+    emitted ones); ``tokens`` / ``num_accepted``: views of ``packed``."""
+
+    packed: torch.Tensor
+    rows: torch.Tensor
+    num_drafts: list[int]
+
+    @property
+    def width(self) -> int:
+        return (self.packed.shape[1] - 1) // 2
+
+    @property
+    def num_accepted(self) -> torch.Tensor:
+        return self.packed[:, 0]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.packed[:, 1:1 + self.width]
+
+    def to_result(self, host_packed: torch.Tensor | None = None) -> VerifyResult:
+        """Host lists of ``packed`` (already copied: ``host_packed``; else copied here)."""
+        h = (self.packed if host_packed is None else host_packed).cpu()
+        w = self.width
+        acc = h[:, 0].tolist()
+        toks = h[:, 1:1 + w].tolist()
+        lps = h[:, 1 + w:].to(torch.int32).view(torch.float32).tolist()
+        out = VerifyResult([], [], [], [])
+        base = 0
+        for b, k in enumerate(self.num_drafts):
+            a = acc[b]
+            out.tokens.append(toks[b][:a + 1])
+            out.num_accepted.append(a)
+            out.logprobs.append(lps[b][:a + 1])
+            out.rows.append(list(range(base, base + a + 1)))
+            base += k + 1
+        return out
+
+
+def verify_layout(num_drafts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device index tensors of the padded layout: ``slot_row`` [B, K + 1] (row of slot j
+    of request b: base_b + min(j, k_b)) and ``is_draft`` [B, K + 1] (j < k_b), built from
+    the host list in one host -> device copy."""
+    ks = np.asarray(num_drafts, dtype=np.int64)
+    width = int(ks.max(initial=0)) + 1
+    base = np.concatenate([[0], np.cumsum(ks + 1)[:-1]]).astype(np.int64)
+    j = np.arange(width, dtype=np.int64)[None, :]
+    slot_row = base[:, None] + np.minimum(j, ks[:, None])
+    is_draft = (j < ks[:, None]).astype(np.int64)
+    both = torch.from_numpy(np.stack([slot_row, is_draft]))
+    both = both.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else both.to(device)
+    return both[0], both[1].bool()
+
+
+def rejection_sample_device(logits: torch.Tensor, params: SamplingTensors, num_drafts: list[int],
+                            draft_ids: torch.Tensor, draft_probs: torch.Tensor | None = None,
+                            sampler: Sampler | None = None, rule: str = "standard",
+                            raw_logprobs: torch.Tensor | None = None) -> DeviceVerify:
+    """:func:`rejection_sample` without leaving the device: the same draws (so the same
+    tokens and counts, bit for bit), the accepted run per request found with a cumulative
+    product over its padded slots instead of a host loop. Arguments as there;
+    ``raw_logprobs``: ``log_softmax(logits)`` when the caller has it (top log-probs)."""
+    if rule not in ACCEPT_RULES:
+        raise ValueError(f"rule must be one of {ACCEPT_RULES}, got {rule!r}")
+    sampler = sampler or Sampler()
+    M, V = logits.shape
+    if sum(k + 1 for k in num_drafts) != M:
+        raise ValueError(f"logits has {M} rows, num_drafts {num_drafts} needs {sum(k + 1 for k in num_drafts)}")
+    raw = logits.float()
+    greedy_tok = raw.argmax(dim=-1)
+    d = draft_ids.clamp(0, V - 1)
+    accept = d == greedy_tok
+    final = greedy_tok  # the token of a request's first rejected row, or of its bonus row
+    if not params.all_greedy:
+        fresh = sampler.sample(raw, params).token_ids
+        p = torch.softmax(sampler.process_logits(raw, params), dim=-1)
+        pd = p.gather(1, d.unsqueeze(1)).squeeze(1)
+        if draft_probs is None:
+            qd = torch.ones_like(pd)
+            resid = p.scatter(1, d.unsqueeze(1), 0.0)
+        else:
+            q = torch.nan_to_num(draft_probs.float(), nan=0.0)
+            qd = q.gather(1, d.unsqueeze(1)).squeeze(1)
+            resid = (p - q).clamp(min=0.0)
+        ratio = torch.where(qd > 0, pd / qd.clamp(min=1e-30), (pd > 0).float())
+        if rule == "ignore_q":
+            ratio = pd
+        u = rng.uniform(params.seed, params.position, rng.ACCEPT, 1)[:, 0]
+        mass = resid.sum(dim=-1, keepdim=True)
+        resid = torch.where(mass > 0, resid / mass.clamp(min=1e-30), p)
+        ur = rng.uniform(params.seed, params.position, rng.RESIDUAL, V)
+        res = (torch.log(resid) - torch.log(-torch.log(ur))).argmax(dim=-1)
+        accept = torch.where(params.greedy, accept, u < ratio)
+        residual_tok = torch.where(params.greedy, greedy_tok, res)
+        bonus = torch.zeros(M, dtype=torch.bool, device=raw.device)
+        ends = np.cumsum(np.asarray(num_drafts, dtype=np.int64) + 1) - 1
+        bonus[torch.from_numpy(ends).to(raw.device)] = True
+        final = torch.where(bonus, fresh, residual_tok)
+    slot_row, is_draft = verify_layout(num_drafts, raw.device)
+    acc = accept[slot_row] & is_draft  # [B, K + 1]; the bonus slot never "accepts"
+    n_acc = acc.long().cumprod(dim=1).sum(dim=1)  # the leading run of accepted drafts
+    j = torch.arange(slot_row.shape[1], device=raw.device).unsqueeze(0)
+    a = n_acc.unsqueeze(1)
+    tok = torch.where(j < a, d[slot_row], final[slot_row])
+    tok = torch.where(j <= a, tok, torch.full_like(tok, -1))
+    lp_all = torch.log_softmax(raw, dim=-1) if raw_logprobs is None else raw_logprobs
+    lp = lp_all[slot_row, tok.clamp(min=0)]
+    packed = torch.cat([n_acc.unsqueeze(1), tok, lp.float().view(torch.int32).to(torch.int64)], dim=1)
+    rows = torch.where(j <= a, slot_row, slot_row.gather(1, a))
+    return DeviceVerify(packed, rows, list(num_drafts))
 
 
 def drafts_to_verify(num_drafts: int, num_valid: int, deterministic: bool) -> int:

@@ -1,0 +1,134 @@
+"""CUDA graphs of speculative verify steps, captured at engine start beside the decode set.
+
+A verify step feeds every request its last token and its drafts (1..``MAX_ROWS`` rows per
+request, groups delimited by ``StepInputs.starts``) through the family's decode program
+and returns the final streams (plus the drafter's captured layer inputs), from which the
+spec runner computes the logits of those rows. Its row count is ``B * (k + 1)`` for a
+fixed-length step of B requests, anything in between when drafts are cut (max_tokens,
+grammars, the confidence scheduler), so the row buckets are the powers of two plus the
+multiples ``(k + 1) * b`` of the decode batch buckets (a full fixed-k step pads nothing),
+up to the step of ``max_num_seqs`` requests with ``k`` drafts each. Widths are the decode
+set's (:func:`decode_graphs.graph_shapes`).
+
+The graphs live in the fast path's one pool (``FastPath.graphs``) under keys
+``("verify", rows, width, layers)``; :meth:`VerifyGraphs.warmup` captures all of them,
+largest first, and the engine's warm-up (``SpecDecoder.warmup``) then seals the set, so nothing is captured while serving: a step of a
+shape outside the set (more rows than the largest bucket) runs eagerly on the same padded
+buffers and is counted (``graphs.stats["uncaptured_steps"]``). Padded rows repeat row 0
+(its own group each), as in decode graphs: they write what row 0 writes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deepinfer.engine.transfer import copy_to_device
+
+from ..kv_cache import ForwardBatch
+from .decode_graphs import BUCKETS, graph_shapes, next_pow2, reserved_bytes
+from .runner import StepInputs
+
+
+def verify_row_buckets(max_num_seqs: int, num_drafts: int) -> list[int]:
+    """Row buckets of verify steps with up to ``num_drafts`` drafts per request, ascending:
+    powers of two and ``(num_drafts + 1) * b`` for the decode buckets b, up to the first
+    holding ``max_num_seqs * (num_drafts + 1)`` rows."""
+    for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("num_drafts", num_drafts, 0)):
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"verify_row_buckets: {name} must be an int >= {low}, got {value!r}")
+    per = num_drafts + 1
+    most = max_num_seqs * per
+    top = min(next_pow2(most), per * next((b for b in BUCKETS if b >= max_num_seqs), BUCKETS[-1]))
+    pow2 = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+    multiples = [per * b for b in BUCKETS if per * b <= top]
+    return sorted(set(pow2 + multiples + [top]))
+
+
+def verify_shapes(max_num_seqs: int, num_drafts: int, max_model_len: int, block_size: int) -> list[tuple[int, int]]:
+    """Every (rows bucket, width class) of a verify step under these limits, largest first."""
+    widths = sorted({w for _, w in graph_shapes(max_num_seqs, max_model_len + num_drafts, block_size)})
+    rows = verify_row_buckets(max_num_seqs, num_drafts)
+    return sorted(((r, w) for r in rows for w in widths), key=lambda rw: (-rw[0], -rw[1]))
+
+
+class VerifyGraphs:
+    """The verify steps of one fast path (``FastPath``): bucketed, padded, graphed.
+
+    ``layers``: the drafter's target layers whose input streams each step captures."""
+
+    def __init__(self, fast: Any, layers: tuple[int, ...], buckets: list[int]) -> None:
+        if fast.program.streams is None:
+            raise ValueError("VerifyGraphs: the family's decode program has no streams() (verify rows)")
+        self.fast, self.layers, self.buckets = fast, tuple(sorted(layers)), sorted(buckets)
+        self.warmed: list[tuple[int, int]] = []
+        #: device bytes the captured verify set took (None: not measured / not captured)
+        self.graph_bytes: int | None = None
+        self.counts = {"steps": 0, "graph_steps": 0, "eager_steps": 0}
+
+    def _bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def _key(self, rows: int, width: int) -> tuple:
+        return ("verify", rows, width, self.layers)
+
+    def _body(self, meta: Any) -> tuple[torch.Tensor, dict]:
+        return self.fast._streams(meta, self.layers)
+
+    def warmup(self, shapes: list[tuple[int, int]]) -> int:
+        """Capture the graphs of ``shapes`` (largest first: the smaller reuse the pool) on
+        dummy steps (block 0 / slot 0 / position 0, rewritten before any request reads
+        them). Returns how many it captured; the caller seals the set (``SpecDecoder.warmup``:
+        after the drafter's graphs, which share the pool)."""
+        fast = self.fast
+        if not fast.graphs_enabled:
+            return 0
+        before = reserved_bytes(fast.device)
+        for rows, width in shapes:
+            key = self._key(rows, width)
+            if fast.graphs.has(key):
+                continue
+            fast.graphs.capture(key, fast._dummy_meta(rows, width), self._body)
+            self.warmed.append((rows, width))
+        after = reserved_bytes(fast.device)
+        if before is not None and after is not None:
+            self.graph_bytes = after - before
+        return len(self.warmed)
+
+    def forward(self, so: Any, batch: ForwardBatch, capture: dict | None = None) -> torch.Tensor | None:
+        """Final streams [T, ...] of a decode-like step (None when it is not one: the
+        reference path runs it), from its graph when the shape is in the set; fills
+        ``capture`` (layer id -> input streams [T, ...]) for the drafter's layers."""
+        fast = self.fast
+        if not fast._decode_like(so):
+            return None
+        layers = tuple(sorted(capture)) if capture else ()
+        if layers and layers != self.layers:
+            raise ValueError(f"VerifyGraphs captures layers {self.layers}, the step asked for {layers}")
+        n, width = batch.num_tokens, fast._width(so)
+        bucket = self._bucket(n)
+        graphed = (fast.graphs_enabled and bucket is not None and all(r.needs_sample for r in so.scheduled))
+        rows = bucket if graphed else n
+        inputs = (fast._graph_inputs(rows, width) if graphed
+                  else StepInputs.allocate(rows, width, fast.groups, fast.device))
+        copy_to_device(inputs.flat, fast._host_inputs(so, width, rows))
+        inputs.ids[:n].copy_(batch.input_ids)
+        if rows > n:
+            inputs.ids[n:].copy_(inputs.ids[:1].expand(rows - n))
+        meta = fast._meta(inputs, width, graphed, n)
+        self.counts["steps"] += 1
+        fast._counts["fast_steps"] += 1  # the fast path's step counts include its verify steps
+        if graphed:
+            self.counts["graph_steps"] += 1
+            fast._counts["graph_steps"] += 1
+            streams, hidden = fast.graphs.replay(self._key(rows, width), meta, self._body)
+        else:
+            self.counts["eager_steps"] += 1
+            streams, hidden = self._body(meta)
+        for i in layers:
+            capture[i] = hidden[i][:n]
+        return streams[:n]
+
+
+__all__ = ["VerifyGraphs", "verify_row_buckets", "verify_shapes"]
