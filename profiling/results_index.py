@@ -62,6 +62,10 @@ BENCHMARKS = (
           ("serve_h200_*.json",)),
     Bench("invariant_compiled_bench.py", "batch-invariant mode on the compiled executor: bitwise across batches, "
           "decode / prefill vs default", ("invariant_compiled_*.json",)),
+    Bench("spec_draft_h200.py", "graphed vs eager DSpark draft step: same drafts, draft-step ms, e2e tok/s",
+          ("spec_draft_h200_*.json",)),
+    Bench("v41_prefill_h200.py", "V4.1 compiled prefill / mixed steps vs the reference path, 8k prefill tok/s per "
+          "bounded-replay mode", ("v41_prefill_*.json",)),
 )
 #: One-off studies: answered one question at one commit; kept to rerun, not maintained as tools.
 STUDIES = ("batch_invariance_probe.py", "compiled_quality.py", "decode_grid.py", "fastpath_hf.py", "fastpath_layers.py",
