@@ -477,15 +477,16 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
 
 def hc_shifted(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
                hc_eps: float, norm_eps: float, pre_in: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
-               prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+               prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+               tuning: MhcTuning | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """DeepSeek-V4.1's shifted mHC site (``v41_layers.hc_mixes`` / ``hc_collapse`` /
     ``hc_expand``): ``prev=(out, post, comb)`` first applies the previous sublayer's
     expansion in float32 with one rounding; this site's (pre, post, comb) come from the
     new streams, but the sublayer input collapses them with ``pre_in`` [T, N] (the
     previous site's pre), then ``norm``. -> (new streams or None without ``prev``, pre,
-    post, comb, x)."""
-    return _launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, prev, norm, pre_in)
+    post, comb, x). ``tuning`` as in :func:`hc_pre`."""
+    return _launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, prev, norm, pre_in, tuning=tuning)
 
 
 # ----------------------------------------------------------------------------- references

@@ -82,7 +82,7 @@ def invariant_ops(ops: Any) -> SimpleNamespace:
     if ops.kind == "triton":
         if INVARIANT_MHC is None:
             INVARIANT_MHC = _invariant_mhc()
-        for name in ("hc_pre", "hc_post_pre", "hc_head"):
+        for name in ("hc_pre", "hc_post_pre", "hc_head", "hc_shifted"):  # hc_shifted: V4.1's site
             setattr(inv, name, functools.partial(getattr(ops, name), tuning=INVARIANT_MHC))
         inv.pool_windows = bic.pool_windows
     else:

@@ -91,6 +91,13 @@ class PrefillPath:
         self.stats["prefill_rows"] += batch.num_tokens
         return meta
 
+    def invariant_logits(self, batch: ForwardBatch, meta: PrefillMeta, rows: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [R, V] of ``rows`` in batch-invariant mode: the decode step's head
+        for those rows (fast/invariant_prefill.py)."""
+        from .invariant_prefill import prefill_logits
+
+        return prefill_logits(self.model, self.cache, batch.input_ids, meta, rows)
+
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, meta: PrefillMeta, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Final streams [T, N, D] of every row (``DeepseekV4Model.forward``'s contract), or

@@ -26,9 +26,11 @@ from typing import Any
 
 import torch
 
+from .. import invariant_ops
 from ..kv_cache_v41 import GROUP_SRC
 from .decode import DecodeMeta, _inv_freq, grouped_out
 from .fused_weights import project
+from .invariant import is_invariant
 
 
 @dataclass
@@ -83,7 +85,17 @@ def _float_weight(lin: torch.nn.Module) -> torch.Tensor:
 def _linear_f32(lin: torch.nn.Module, x: torch.Tensor, ops: Any) -> torch.Tensor:
     if lin.quantized is not None or lin._parameters.get("weight") is None:
         return lin(x).float()  # quantized checkpoint bytes: their own GEMM
-    return ops.linear_f32(x, _float_weight(lin))
+    return linear_f32(ops, x, _float_weight(lin))
+
+
+def linear_f32(ops: Any, x: torch.Tensor, w: torch.Tensor, div: float = 1.0) -> torch.Tensor:
+    """Float32 ``x @ w.T / div`` (w float32): the kernel of a few rows / cuBLAS, or in
+    batch-invariant mode the mode's fixed-tile GEMM (``linear_f32`` switches kernels at
+    16 rows: a row's bits would follow its step's size), as the reference's bi mode."""
+    if is_invariant(ops):
+        y = invariant_ops.linear(x.float(), w)
+        return y if div == 1.0 else y / div
+    return ops.linear_f32(x, w, div)
 
 
 def publish(attn: torch.nn.Module, x: torch.Tensor, step: V41DecodeStep) -> None:

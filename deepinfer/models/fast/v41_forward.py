@@ -20,7 +20,7 @@ from ..kv_cache import ForwardBatch, KVCache
 from ..v41_layers import hc_expand
 from .forward import head_logits
 from .moe import moe_forward
-from .v41_decode import V41DecodeStep, _float_weight, attention_decode_v41, engram_hash_rows
+from .v41_decode import V41DecodeStep, _float_weight, attention_decode_v41, engram_hash_rows, linear_f32
 
 
 def _site(block: torch.nn.Module, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -29,7 +29,7 @@ def _site(block: torch.nn.Module, which: str) -> tuple[torch.Tensor, torch.Tenso
 
 def _route_logits(gate: torch.nn.Module, x: torch.Tensor, ops: Any) -> torch.Tensor:
     """``Gate41``'s float32 router logits / gate_temp (scores come from them in the router)."""
-    return ops.linear_f32(x, _float_weight(gate), gate.temp)
+    return linear_f32(ops, x, _float_weight(gate), gate.temp)
 
 
 def _first_pre(streams: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,15 @@ SWA bounded replay (bounded_replay.py), as the reference runs it:
   compact replay dropped have no hidden state (NaN, as the reference returns).
 
 Selection (``PrefillPathV41.create``): as V4's ``PrefillPath`` (``DEEPINFER_FAST_PREFILL``
-auto / triton / ref / 0; auto: bf16 / fp16 on CUDA). Batch-invariant mode keeps these
-steps on the reference path for now (:meth:`PrefillPathV41.prepare` returns None).
+auto / triton / ref / 0; auto: bf16 / fp16 on CUDA).
+
+Batch-invariant mode (the executor's ops from ``invariant.invariant_ops``): every row runs
+the decode step's per-row pieces (``decode_attention`` over its own block tables with the
+split merge, the same indexer scores + stable top-k, float32 projections through the
+mode's fixed-tile GEMM) and the rows that sample take the decode step's head
+(:meth:`PrefillPathV41.invariant_logits`), so a token has the same bits in a prefill,
+mixed or decode step of any size. Steps under an active bounded replay stay on the
+reference path in this mode (``decode_attention`` has no window floor).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from ..bounded_replay import batch_cuts
 from ..kv_cache import ForwardBatch, SeqMeta
 from ..kv_cache_v41 import GROUP_SWA
 from ..moe import MoE
+from .forward import head_logits
 from .invariant import is_invariant
 from .moe import moe_forward
 from .moe import supported as moe_supported
@@ -77,9 +85,11 @@ class PrefillPathV41:
         return cls(model, cache, ops)
 
     def prepare(self, batch: ForwardBatch) -> PrefillMeta | None:
-        """Metadata of a prefill / mixed step, or None when this path does not run it
-        (batch-invariant mode, EP or load-counting MoE layers)."""
-        if not batch.seqs or is_invariant(self.ops) or not all(
+        """Metadata of a prefill / mixed step, or None when this path does not run it (EP
+        or load-counting MoE layers; in batch-invariant mode a step under an active bounded
+        replay: the mode's per-row attention has no window floor)."""
+        replay = getattr(batch, "replay", None)
+        if not batch.seqs or (is_invariant(self.ops) and replay is not None and replay.active) or not all(
                 isinstance(layer.ffn, MoE) and moe_supported(layer.ffn) for layer in self.model.layers):
             return None
         meta = self._meta(batch.seqs, batch.positions)
@@ -94,6 +104,57 @@ class PrefillPathV41:
     def forward(self, batch: ForwardBatch, meta: PrefillMeta, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The collapsed final hidden [T, hidden] of every row (``DeepseekV41Model.forward``'s
         contract: NaN on rows a compact replay dropped), or of ``rows`` only [R, hidden]."""
+        done = self._layers(batch, meta)
+        if done is None:  # every row lay before its cut
+            n = batch.num_tokens if rows is None else rows.shape[0]
+            return torch.full((n, self.model.cfg.hidden_size), float("nan"), dtype=self.model.dtype,
+                              device=batch.input_ids.device)
+        streams, pre, prev, kept = done
+        pick, dropped = self._pick(kept, batch.num_tokens, rows)
+        streams, pre, prev = self._at(pick, streams, pre, prev)
+        hidden = self.ops.hc_collapse_norm(streams, pre, None, prev)
+        return hidden if dropped is None else hidden.masked_fill(dropped[:, None], float("nan"))
+
+    @torch.no_grad()
+    def invariant_logits(self, batch: ForwardBatch, meta: PrefillMeta, rows: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [R, V] of ``rows`` in batch-invariant mode: the decode step's head
+        (the last expansion, collapse and final norm in one ``hc_collapse_norm``, then
+        ``head_logits``), so a row has the bits it would get in a decode step."""
+        model = self.model
+        done = self._layers(batch, meta)
+        if rows.numel() == 0 or done is None:  # prompt chunks only: the layers wrote the cache
+            return torch.full((rows.numel(), model.cfg.vocab_size), float("nan") if rows.numel() else 0.0,
+                              dtype=torch.float32, device=batch.input_ids.device)
+        streams, pre, prev, kept = done
+        pick, dropped = self._pick(kept, batch.num_tokens, rows)
+        streams, pre, prev = self._at(pick, streams, pre, prev)
+        logits = head_logits(model, self.ops, self.ops.hc_collapse_norm(streams, pre, (model.norm.weight,
+                                                                                       model.norm.eps), prev))
+        return logits if dropped is None else logits.masked_fill(dropped[:, None], float("nan"))
+
+    @staticmethod
+    def _at(pick: torch.Tensor | None, streams: torch.Tensor, pre: torch.Tensor, prev: tuple) -> tuple:
+        """(streams, pre, pending expansion) of the rows ``pick`` (all when None)."""
+        if pick is None:
+            return streams, pre, prev
+        return streams[pick], pre[pick], tuple(t[pick] for t in prev)
+
+    @staticmethod
+    def _pick(kept: torch.Tensor | None, num_tokens: int, rows: torch.Tensor | None
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(indices into the layers' last rows of the batch rows ``rows`` (None: every row),
+        the rows a compact replay dropped among them (None: none))."""
+        if kept is None:
+            return rows, None
+        local = torch.full((num_tokens,), -1, dtype=torch.long, device=kept.device)
+        local[kept] = torch.arange(kept.numel(), device=kept.device)
+        want = local if rows is None else local[rows]
+        return want.clamp(min=0), want < 0
+
+    def _layers(self, batch: ForwardBatch, meta: PrefillMeta) -> tuple | None:
+        """Every layer over the step: (streams, the head's pre, the last MoE's pending
+        expansion (out, post, comb), the kept rows of a compact replay or None), or None
+        when a compact replay kept no row (the last KV source has published)."""
         model, cache, ops, cfg = self.model, self.cache, self.ops, self.model.cfg
         iters, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
         ids = batch.input_ids
@@ -122,9 +183,7 @@ class PrefillPathV41:
                 if narrow and replay.mode == "compact":
                     kept, sub = self._kept(batch, cuts)
                 if kept is not None and not kept.numel():  # every row lies before its cut
-                    full = torch.full((batch.num_tokens, cfg.hidden_size), float("nan"), dtype=streams.dtype,
-                                      device=streams.device)
-                    return full if rows is None else full[rows]
+                    return None
                 if kept is not None:
                     floor = [c for s, c in zip(batch.seqs, cuts) if s.start + s.length > c]
                     step = V41PrefillStep.start(model, self._meta(sub, meta.positions[kept]), cache, floor)
@@ -143,7 +202,7 @@ class PrefillPathV41:
                                                              (out, a_post, a_comb))
             ffn = layer.ffn
             prev = (moe_forward(ffn, x, ids, ops, logits=_route_logits(ffn.gate, x, ops)), f_post, f_comb)
-        return self._hidden(streams, pre, prev, kept, batch.num_tokens, rows)
+        return streams, pre, prev, kept
 
     def _kept(self, batch: ForwardBatch, cuts: list[int]) -> tuple[torch.Tensor | None, list[SeqMeta]]:
         """(flattened rows at positions >= their cut or None when every row is kept, the
@@ -160,19 +219,3 @@ class PrefillPathV41:
             offset += e - s
         rows = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         return torch.from_numpy(rows.astype(np.int64)).to(batch.input_ids.device), seqs
-
-    def _hidden(self, streams: torch.Tensor, pre: torch.Tensor, prev: tuple, kept: torch.Tensor | None,
-                num_tokens: int, rows: torch.Tensor | None) -> torch.Tensor:
-        """The last expansion + the final collapse of ``rows`` (every row when None), NaN on
-        rows a compact replay dropped."""
-        out, post, comb = prev
-        if kept is None:
-            if rows is not None:
-                streams, pre, out, post, comb = (t[rows] for t in (streams, pre, out, post, comb))
-            return self.ops.hc_collapse_norm(streams, pre, None, (out, post, comb))
-        local = torch.full((num_tokens,), -1, dtype=torch.long, device=kept.device)
-        local[kept] = torch.arange(kept.numel(), device=kept.device)
-        want = local if rows is None else local[rows]
-        pick = want.clamp(min=0)
-        hidden = self.ops.hc_collapse_norm(streams[pick], pre[pick], None, (out[pick], post[pick], comb[pick]))
-        return hidden.masked_fill((want < 0)[:, None], float("nan"))

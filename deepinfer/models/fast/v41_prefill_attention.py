@@ -29,6 +29,7 @@ import torch
 from ..kv_cache_v41 import GROUP_SRC
 from .decode import _inv_freq, grouped_out
 from .fused_weights import project
+from .invariant import is_invariant
 from .prefill_meta import PrefillMeta
 from .v41_decode import _linear_f32
 
@@ -150,6 +151,14 @@ def attend_prefill(attn: torch.nn.Module, x: torch.Tensor, step: V41PrefillStep)
         extra = dict(comp_pool=cache.src_kv[attn.kv_source], comp_table=meta.tables32[GROUP_SRC], ratio=attn.ratio,
                      topk_idx=step.topk)
         block_t = 1  # every row has its own entry list: one row per program
+    if is_invariant(ops):  # a decode row's attention (the mode's split merge), per row
+        comp_pool = extra.get("comp_pool")
+        o = ops.decode_attention(q, pos, pool, meta.row_tables(group), attn.window, attn.attn_sink, comp_pool,
+                                 meta.row_tables(GROUP_SRC) if comp_pool is not None else None,
+                                 attn.ratio if comp_pool is not None else 0, step.topk if attn.ratio else None,
+                                 max_keys=attn.window + (step.topk.shape[1] if attn.ratio else 0),
+                                 rope_inv_freq=inv)
+        return attn.wo_b(grouped_out(attn.wo_a, o.view(n, attn.cfg.o_groups, -1), ops))
     floor = step.floor if attn.is_decoder else None
     o = ops.prefill_attention(q, pos, meta.row_req, pool, meta.tables32[group], attn.window, attn.attn_sink,
                               **extra, tiles=meta.tiles(block_t) if block_t > 1 else None, block_t=block_t,
