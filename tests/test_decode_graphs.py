@@ -130,6 +130,7 @@ def test_graph_memory_is_profiled_before_the_cache_is_sized(monkeypatch):
     large = EngineConfig(max_model_len=2048, max_num_seqs=4, block_size=128, accelerator="cpu")
     mem, bound = decode_graph_memory(model, small, cpu)
     assert mem.probe == (4, 8) and mem.n_groups == 3 and mem.pool_bytes is None  # no allocator on a host
+    assert mem.shapes == tuple(graph_shapes(4, 512, 128))  # the set the warm-up captures
     assert mem.output_row_bytes == (VOCAB * 4, 16, 4, 8, 4, 8)
     mem_large, bound_large = decode_graph_memory(model, large, cpu)
     assert mem_large.probe == (4, 32) and mem_large.output_row_bytes == mem.output_row_bytes
@@ -149,15 +150,24 @@ def test_graph_memory_is_profiled_before_the_cache_is_sized(monkeypatch):
     assert decode_graph_memory(model, small, cpu) == (None, 0)
 
 
-def test_a_measured_pool_replaces_the_probes_outputs_in_the_bound():
-    mem = GraphMemory((8, 4), pool_bytes=40 << 20, output_row_bytes=(3 << 20, 16), eager_peak_bytes=GIB, n_groups=2)
+def test_a_measured_set_is_its_own_bound_and_a_host_gets_the_outputs_floor():
+    """On CUDA the probe captures the whole set the warm-up will capture and measures it:
+    that measurement is the bound for exactly those shapes (no model of the pool's
+    temporaries, which over- or under-counted on an H200). Without one (a host, or another
+    shape list) the bound is every graph's outputs plus every input buffer."""
     shapes = graph_shapes(8, 4 * 128 - 1, 128)
-    others = sum(allocation_bytes((3 << 20) * r) + allocation_bytes(16 * r) for r, w in shapes if (r, w) != (8, 4))
-    inputs = sum(allocation_bytes(input_bytes(r, w, 2)) for r, w in shapes)
-    assert mem.bound(shapes) == (40 << 20) + others + inputs
+    floor = sum(allocation_bytes((3 << 20) * r) + allocation_bytes(16 * r) + allocation_bytes(input_bytes(r, w, 2))
+                for r, w in shapes)
+    measured = GraphMemory((8, 4), pool_bytes=40 << 20, output_row_bytes=(3 << 20, 16), eager_peak_bytes=GIB,
+                           n_groups=2, shapes=tuple(shapes))
+    assert measured.bound(shapes) == 40 << 20  # the measurement, even below the outputs' floor
+    assert measured.bound(shapes[1:]) == floor - allocation_bytes((3 << 20) * 8) - allocation_bytes(16 * 8) \
+        - allocation_bytes(input_bytes(8, 4, 2))  # another set: the floor of its own shapes
+    host = GraphMemory((8, 4), None, (3 << 20, 16), None, 2, tuple(shapes))
+    assert host.bound(shapes) == floor
     assert allocation_bytes(1) == 512 and allocation_bytes((1 << 20) + 1) == 2 << 20
     # what the KV budget keeps free: the larger eager peak plus the graphs
-    assert MemoryProfile(6 * GIB, 2 * GIB, mem).total == 8 * GIB
+    assert MemoryProfile(6 * GIB, 2 * GIB, measured).total == 8 * GIB
     assert MemoryProfile(6 * GIB, 2 * GIB, GraphMemory((1, 1), 0, (4,), 7 * GIB, 3)).total == 9 * GIB
     assert MemoryProfile(6 * GIB, 0, None).total == 6 * GIB
 

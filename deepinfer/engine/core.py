@@ -22,7 +22,7 @@ import torch
 from deepinfer.config import EngineConfig
 from deepinfer.engine.kv_cache_manager import HybridKVCacheManager, KVCacheGroupSpec
 from deepinfer.engine.kv_sizing import num_kv_blocks
-from deepinfer.engine.memory_profile import profile_step_peak_bytes
+from deepinfer.engine.memory_profile import profile_memory
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.output_processor import OutputProcessor, StreamDelta
 from deepinfer.engine.request import Request, RequestStatus
@@ -86,10 +86,12 @@ class EngineCore:
 
     def init_cache_and_scheduler(self) -> None:
         cfg, mcfg = self.config, self.model_config
+        #: the start-up memory profile (None off a device or with num_kv_blocks given); its
+        #: ``graph_bytes`` is what the decode graphs were accounted before sizing the cache
+        self.memory_profile = profile_memory(self.model, cfg, self.device) if cfg.num_kv_blocks is None else None
         #: the profiled activation peak of a worst-case step (bytes; None off a device): what
         #: the KV budget keeps free besides the weights (deepinfer/engine/memory_profile.py)
-        self.step_peak_bytes = (profile_step_peak_bytes(self.model, cfg, self.device)
-                                if cfg.num_kv_blocks is None else None)
+        self.step_peak_bytes = self.memory_profile.total if self.memory_profile is not None else None
         blocks = num_kv_blocks(cfg, mcfg, self.model.dtype, self.device, cfg.max_model_len,
                                step_peak_bytes=self.step_peak_bytes)
         family = family_of(mcfg)

@@ -9,10 +9,10 @@ widest temporaries). ``torch.cuda.max_memory_allocated`` above the level before 
 is the activation peak (it includes the throwaway cache, so it errs on the safe side).
 
 The decode CUDA graphs the engine captures at start (models/fast/decode_graphs.py) are
-measured the same way before the cache exists: the largest shape the limits allow is
-captured over a one-block throwaway cache, its private pool and per-row outputs measured,
-and the whole set bounded from them (:meth:`GraphMemory.bound`; the warm-up later records
-what the set really took, ``FastPath.graph_bytes``). :func:`profile_step_peak_bytes`
+measured the same way before the cache exists: the whole set the limits allow is captured
+over a one-block throwaway cache by the warm-up's own code and its bytes measured
+(:meth:`FastPath.probe_graph_memory`; the warm-up later records what the set really took,
+``FastPath.graph_bytes``, which the decode grid compares). :func:`profile_step_peak_bytes`
 returns the larger of the two transient peaks plus the graphs' bytes, and
 :func:`deepinfer.engine.kv_sizing.kv_budget_bytes` subtracts it from
 ``gpu_memory_utilization`` of the device before handing the rest to the KV cache.
@@ -103,7 +103,7 @@ def decode_graph_memory(model: torch.nn.Module, config: EngineConfig,
     if config.num_speculative_tokens > 0 or not fast.warms_up():
         return None, LAZY_GRAPH_RESERVE_BYTES if device.type == "cuda" else 0
     shapes = fast.warmup_shapes(config.max_num_seqs, config.max_model_len, config.block_size)
-    mem = fast.probe_graph_memory(shapes[0])
+    mem = fast.probe_graph_memory(shapes)
     return mem, mem.bound(shapes)
 
 

@@ -13,12 +13,15 @@ short last chunks) runs eagerly on the same padded buffers and is counted
 (``DEEPINFER_CUDA_GRAPH_WARMUP=0``, speculative decoding) shapes are captured on first use.
 
 Memory. The graphs share one private pool. Temporaries of one capture are free again when
-the next one starts, so the pool holds the largest graph's temporaries once plus every
-graph's static outputs (they stay allocated: a replay writes them), and each shape has a
-persistent input buffer outside the pool. :class:`GraphMemory` is measured on a profile
-run before the KV cache is sized (``deepinfer/engine/memory_profile.py``: the largest shape
-captured over a throwaway cache) and bounds the whole set from it; the engine's warm-up
-then measures what the set really took (``FastPath.graph_bytes``).
+the next one starts and later graphs' outputs (they stay allocated: a replay writes them)
+are carved out of them, so the pool is neither the largest graph's temporaries plus
+every output (that sum over-counts when the largest graph's temporaries are big, as at
+``max_model_len`` 1M) nor free of fragmentation (it under-counts when outputs dominate);
+profiling/results/decode_grid_h200_*.json records both. Each shape also has a persistent
+input buffer outside the pool. :class:`GraphMemory` is therefore measured, before the KV cache
+is sized (``deepinfer/engine/memory_profile.py``): the whole set captured over a
+throwaway one-block cache in the warm-up's order through the warm-up's own code; the
+engine's warm-up then measures what the set really took (``FastPath.graph_bytes``).
 
 On a host cache (CPU tests) graphs are emulated: a "capture" records the shape and a
 replay runs the step eagerly on the padded buffers, so coverage, sealing and the shape a
@@ -89,30 +92,37 @@ def input_bytes(rows: int, width: int, n_groups: int) -> int:
 
 @dataclass(frozen=True)
 class GraphMemory:
-    """What a decode graph set takes, from one profiled capture of its largest shape.
+    """What a decode graph set takes, measured on a throwaway runner before the KV cache exists.
 
-    ``probe``: the (rows, width) captured; ``pool_bytes``: the private pool it reserved
-    (temporaries + its outputs; None on a host: no allocator to ask); ``output_row_bytes``:
-    bytes per row of each static output tensor; ``eager_peak_bytes``: the peak of the eager
-    run before the capture (regular allocator; None on a host); ``n_groups``: block groups."""
+    ``probe``: the largest shape, run eagerly; ``pool_bytes``: device bytes the whole set of
+    ``shapes`` took when captured as the warm-up captures it (pool + input buffers; None on
+    a host: no allocator to ask); ``output_row_bytes``: bytes per row of each static output
+    tensor (from the eager run); ``eager_peak_bytes``: that run's peak in the regular
+    allocator (None on a host); ``n_groups``: block groups; ``shapes``: the set measured;
+    ``left_bytes``: what the capture left allocated once the set was dropped (kept for the
+    engine's life, so counted as used memory and not in ``pool_bytes``; None on a host)."""
 
     probe: tuple[int, int]
     pool_bytes: int | None
     output_row_bytes: tuple[int, ...]
     eager_peak_bytes: int | None
     n_groups: int
+    shapes: tuple[tuple[int, int], ...] = ()
+    left_bytes: int | None = None
 
     def outputs_bytes(self, rows: int) -> int:
         """Allocator bytes of one graph's static outputs at ``rows`` rows."""
         return sum(allocation_bytes(b * rows) for b in self.output_row_bytes)
 
     def bound(self, shapes: list[tuple[int, int]]) -> int:
-        """Bytes the graph set of ``shapes`` takes at most: the probe's pool (the largest
-        temporaries, once), every other graph's outputs, every shape's input buffer."""
-        others = sum(self.outputs_bytes(r) for r, w in shapes if (r, w) != self.probe)
+        """Bytes the graph set of ``shapes`` takes: the measurement when it covers exactly
+        these shapes; otherwise (a host, or another set) every graph's static outputs plus
+        every shape's input buffer, a floor that leaves out the capture's temporaries."""
+        if self.pool_bytes is not None and tuple(shapes) == self.shapes:
+            return int(self.pool_bytes)
+        outputs = sum(self.outputs_bytes(r) for r, _ in shapes)
         inputs = sum(allocation_bytes(input_bytes(r, w, self.n_groups)) for r, w in shapes)
-        largest = self.pool_bytes if self.pool_bytes is not None else self.outputs_bytes(self.probe[0])
-        return int(largest + others + inputs)
+        return int(outputs + inputs)
 
 
 def tensors_of(out: Any) -> list[torch.Tensor]:

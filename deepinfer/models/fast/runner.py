@@ -292,42 +292,57 @@ class FastPath:
             return 0
         shapes = [s for s in self.warmup_shapes(max_num_seqs, max_model_len, block_size)
                   if not self.graphs.has(s)]
-        before = reserved_bytes(self.device)
-        for rows, width in shapes:
-            self.graphs.capture((rows, width), self._dummy_meta(rows, width), self._logits_reduced)
-            self.warmed.append((rows, width))
-        after = reserved_bytes(self.device)
-        if before is not None and after is not None:
-            self.graph_bytes = after - before
+        self.graph_bytes = self._capture_set(shapes)
+        self.warmed += shapes
         self.max_graph_batch = max((r for r, _ in self.warmed), default=self.max_graph_batch)
         self.graphs.seal()
         return len(shapes)
 
-    def probe_graph_memory(self, shape: tuple[int, int]) -> GraphMemory:
-        """Capture the graph of ``shape`` in a pool of its own on this (throwaway) runner and
-        measure it (:class:`GraphMemory`), then drop it: the memory profile's run before the
-        KV cache is sized. On a host the outputs are measured from an eager run."""
-        rows, width = shape
+    def _capture_set(self, shapes: list[tuple[int, int]]) -> int | None:
+        """Capture ``shapes`` in this order into the set's one pool, each on its persistent
+        input buffer set to the dummy step; the device bytes this took (pool + input buffers,
+        after returning the eager runs' cached blocks; None off CUDA). The warm-up and the
+        memory probe both capture through here, so the probe measures what the warm-up takes."""
+        before = reserved_bytes(self.device)
+        for rows, width in shapes:
+            self.graphs.capture((rows, width), self._dummy_meta(rows, width), self._logits_reduced)
+        after = reserved_bytes(self.device)
+        return None if before is None or after is None else after - before
+
+    def probe_graph_memory(self, shapes: list[tuple[int, int]]) -> GraphMemory:
+        """Measure the decode graph set of ``shapes`` (largest first) on this throwaway runner
+        (:class:`GraphMemory`), then drop it: the memory profile's run before the KV cache is
+        sized. The largest shape runs eagerly first (its Triton kernels compile, its peak in
+        the regular allocator is measured, its outputs give the per-row bytes). On CUDA the
+        whole set is then captured exactly as :meth:`warmup` will capture it and its bytes
+        measured: the pool's temporaries overlap other graphs' outputs and the allocator's
+        segments fragment, so no sum over shapes predicts it (the decode grid's results
+        compare the old sum with the warm-up's measurement). What the capture leaves
+        allocated after the set is dropped (e.g. library workspaces bound to the capture streams) stays
+        allocated for the engine's life, so it counts as used memory, not as the set's."""
+        rows, width = shapes[0]
         meta = self._dummy_meta(rows, width)
-        pool = eager_peak = None
-        if self.device.type == "cuda":
+        set_bytes = eager_peak = leftover = None
+        cuda = self.device.type == "cuda"
+        if cuda:
             reserved_bytes(self.device)  # synchronized, cache returned
             torch.cuda.reset_peak_memory_stats(self.device)
             allocated = torch.cuda.memory_allocated(self.device)
-            out = self._logits_reduced(meta)  # eager: compiles, and its peak (regular allocator)
+        out = self._logits_reduced(meta)  # eager: compiles (and fuses weights) before anything is measured
+        if cuda:
             torch.cuda.synchronize(self.device)
             eager_peak = int(torch.cuda.max_memory_allocated(self.device) - allocated)
-            del out
-            base = reserved_bytes(self.device)
-            out = self.graphs.capture(("probe", rows, width), meta, self._logits_reduced, pool=None)
-            pool = reserved_bytes(self.device) - base
-        else:
-            out = self._logits_reduced(meta)
         per_row = tuple(t.numel() * t.element_size() // rows for t in tensors_of(out))
-        del out
-        self.graphs.release()
-        reserved_bytes(self.device)
-        return GraphMemory((rows, width), pool, per_row, eager_peak, len(self.groups))
+        del out, meta
+        self._inputs.clear()  # the warm-up allocates every input buffer inside its measurement
+        if cuda:
+            base = reserved_bytes(self.device)
+            measured = self._capture_set(list(shapes))
+            self.graphs.release()
+            self._inputs.clear()
+            leftover = reserved_bytes(self.device) - base
+            set_bytes = measured - leftover
+        return GraphMemory((rows, width), set_bytes, per_row, eager_peak, len(self.groups), tuple(shapes), leftover)
 
     # ---- execution -------------------------------------------------------------------
     def _logits(self, meta: DecodeMeta, capture: dict | None = None) -> torch.Tensor:
