@@ -1,0 +1,34 @@
+"""profiling/serve_h200.py on CPU (--tiny): offline, then a server per engine client (process,
+thread), every number and the targets list in the JSON; greedy tokens through both servers
+equal LLM.generate's (each prompt alone on both sides), and the engine's duty cycle and mean
+step time read from /metrics are real fractions / times."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "profiling"))
+
+import serve_h200  # noqa: E402
+
+
+def test_serve_h200_tiny(tmp_path, capsys):
+    out = serve_h200.main(["--tiny", "--batch", "3", "--prompt-len", "8", "--new", "4", "--low-load-repeats", "1",
+                           "--out", str(tmp_path)])
+    saved = json.loads(next(tmp_path.glob("serve_cpu_*.json")).read_text())
+    assert saved["targets"] == out["targets"] and len(saved["targets"]) == 4
+    assert {t["name"].split(" (")[0] for t in saved["targets"]} >= {"greedy tokens through the server"}
+    assert all(set(t) == {"name", "value", "target", "met"} for t in saved["targets"])
+    assert set(saved["servers"]) == {"process", "thread"}
+    for client, srv in saved["servers"].items():
+        assert saved["compared"][client]["greedy_equal"] is True, client
+        sat = srv["saturation"]
+        assert sat["completed"] == 3 and sat["failed"] == 0 and sat["total_output_tokens"] == 12
+        engine = sat["engine"]
+        assert engine["steps"] >= 4 and engine["mean_step_ms"] > 0 and 0 < engine["duty_cycle"] <= 1.05
+    assert saved["offline"]["mean_step_ms"] > 0 and saved["commit"] and saved["hardware"] == "cpu"
+    printed = capsys.readouterr().out
+    assert "server/process" in printed and "server/thread" in printed
