@@ -145,3 +145,50 @@ def test_v41_prefill_h200_script_tiny(tmp_path):
         assert check["compiled_prefill_steps"] > 0 and check["first_token_equal"]
     assert out["v41"]["compact"]["prefill"]["path"] == "compiled"
     assert out["v41"]["compact"]["prefill_reference"]["path"] == "reference"
+
+
+@pytest.mark.parametrize("replay", ["off", "compact"])
+def test_v41_prefill_spec_forward_captures_like_reference(replay):
+    """``PrefillPathV41.spec_forward`` (a speculative step's chunk): the collapsed hidden of
+    every row and the drafter's captured layer inputs equal ``DeepseekV41Model.forward``'s
+    with ``capture`` (NaN on the rows a compact replay dropped, in the same places), over
+    two steps of two requests (a prompt chunk, then its continuation beside a new prompt)."""
+    from deepinfer.models.bounded_replay import ReplayConfig
+    from deepinfer.models.deepseek_v41 import DeepseekV41Model
+    from deepinfer.models.fast.prefill import prefill_ops
+    from deepinfer.models.fast.v41_prefill import PrefillPathV41
+    from deepinfer.models.kv_cache import ForwardBatch, SeqMeta
+    from deepinfer.models.standalone import StandaloneRunner
+    from deepinfer.models.tiny import init_random
+
+    cfg = tiny_v41_config(vocab_size=VOCAB, sliding_window=WINDOW, index_topk=8, candidate_topk_blocks=4)
+    model = DeepseekV41Model(cfg).eval()
+    init_random(model, 4)
+    rc = ReplayConfig(replay, KEEP)
+    ref_run, fast_run = (StandaloneRunner(model, max_seqs=2, max_len=160, block_size=16, replay=rc)
+                         for _ in range(2))
+    path = PrefillPathV41(model, fast_run.cache, prefill_ops("ref"))
+    layers = (1, 5, 7)
+    prompts = {0: PROMPTS[3][:90], 1: PROMPTS[4][:120]}
+    steps = [[(0, 0, 70)], [(0, 70, 90), (1, 0, 120)]]  # (sequence, first position, end)
+    for feeds in steps:
+        ids, pos, seqs, off = [], [], [], 0
+        for sid, s, e in feeds:
+            seqs.append(SeqMeta(s, e - s, off, ref_run._table(sid), sid, s == 0, len(prompts[sid])))
+            ids += prompts[sid][s:e]
+            pos += range(s, e)
+            off += e - s
+        batch = ForwardBatch(torch.tensor(ids), torch.tensor(pos), seqs, rc)
+        capture = dict.fromkeys(layers)
+        ref = model(batch, ref_run.cache, capture)
+        hidden, got, logits = path.spec_forward(batch, layers, invariant=False)
+        assert torch.equal(ref.isnan(), hidden.isnan())
+        # float32 through 8 layers: kernel references vs the reference path's own op order
+        assert torch.allclose(ref.nan_to_num(), hidden.nan_to_num(), rtol=1e-4, atol=5e-4)
+        for i in layers:
+            assert torch.equal(capture[i].isnan(), got[i].isnan()), i
+            assert torch.allclose(capture[i].nan_to_num(), got[i].nan_to_num(), rtol=1e-4, atol=5e-4), i
+        last = torch.tensor([s.offset + s.length - 1 for s in seqs])
+        assert torch.allclose(logits(last), model.compute_logits(ref[last]), rtol=1e-4, atol=5e-4)
+    if replay == "compact":
+        assert path.stats["replayed_rows"] < path.stats["prefill_rows"]

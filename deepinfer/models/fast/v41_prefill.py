@@ -39,6 +39,7 @@ from ..bounded_replay import batch_cuts
 from ..kv_cache import ForwardBatch, SeqMeta
 from ..kv_cache_v41 import GROUP_SWA
 from ..moe import MoE
+from ..v41_layers import hc_expand
 from .forward import head_logits
 from .invariant import is_invariant
 from .moe import moe_forward
@@ -151,10 +152,45 @@ class PrefillPathV41:
         want = local if rows is None else local[rows]
         return want.clamp(min=0), want < 0
 
-    def _layers(self, batch: ForwardBatch, meta: PrefillMeta) -> tuple | None:
+    @torch.no_grad()
+    def spec_forward(self, batch: ForwardBatch, layers: tuple[int, ...], invariant: bool) -> tuple | None:
+        """A speculative step's prompt / mixed chunk (fast/verify_prefill.py's ``SpecForward``):
+        (the collapsed final hidden [T, hidden] of every row, what V4.1's forward returns and
+        its drafter reads; the inputs of ``layers`` [T, N, D] as ``DeepseekV41Model.forward``
+        captures them; rows -> float32 logits, in batch-invariant mode from the decode
+        step's head), or None when this path does not run the step."""
+        meta = self.prepare(batch)
+        if meta is None:
+            return None
+        model, n = self.model, batch.num_tokens
+        capture = dict.fromkeys(layers) if layers else None
+        done = self._layers(batch, meta, capture)
+        if done is None:  # every row lay before its cut: no hidden state (the reference's NaN)
+            hidden = torch.full((n, model.cfg.hidden_size), float("nan"), dtype=model.dtype,
+                                device=batch.input_ids.device)
+            return hidden, capture or {}, lambda rows: model.compute_logits(hidden[rows])
+        streams, pre, prev, kept = done
+        hidden = self.ops.hc_collapse_norm(streams, pre, None, prev)
+        if kept is not None:
+            hidden = _full_rows(hidden, kept, n)
+        if invariant:
+            def logits(rows: torch.Tensor) -> torch.Tensor:
+                pick, dropped = self._pick(kept, n, rows)
+                s, p, pv = self._at(pick, streams, pre, prev)
+                out = head_logits(model, self.ops, self.ops.hc_collapse_norm(s, p, (model.norm.weight,
+                                                                                    model.norm.eps), pv))
+                return out if dropped is None else out.masked_fill(dropped[:, None], float("nan"))
+        else:
+            def logits(rows: torch.Tensor) -> torch.Tensor:
+                return model.compute_logits(hidden[rows])
+        return hidden, capture or {}, logits
+
+    def _layers(self, batch: ForwardBatch, meta: PrefillMeta, capture: dict | None = None) -> tuple | None:
         """Every layer over the step: (streams, the head's pre, the last MoE's pending
         expansion (out, post, comb), the kept rows of a compact replay or None), or None
-        when a compact replay kept no row (the last KV source has published)."""
+        when a compact replay kept no row (the last KV source has published). ``capture``:
+        for every layer id among its keys, that layer's input streams [T, N, D] (before its
+        Engram; NaN on rows a compact replay dropped), as ``DeepseekV41Model.forward``."""
         model, cache, ops, cfg = self.model, self.cache, self.ops, self.model.cfg
         iters, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
         ids = batch.input_ids
@@ -170,6 +206,10 @@ class PrefillPathV41:
         start, kept = cfg.replay_start_layer, None  # kept: the rows a compact replay keeps
         prev = None  # (sublayer output, post, comb) whose expansion is still to apply
         for i, layer in enumerate(model.layers):
+            if capture is not None and i in capture:  # the layer's input: the pending expansion first
+                if prev is not None:
+                    streams, prev = hc_expand(prev[0], streams, prev[1], prev[2]), None
+                capture[i] = streams if kept is None else _full_rows(streams, kept, batch.num_tokens)
             if layer.engram_index is not None:  # the pending expansion inside the gate's launch
                 kv = layer.engram.project(hash_rows[:, layer.engram_index])
                 streams, prev = ops.engram_gate(layer.engram, streams, kv, prev), None
@@ -183,6 +223,9 @@ class PrefillPathV41:
                 if narrow and replay.mode == "compact":
                     kept, sub = self._kept(batch, cuts)
                 if kept is not None and not kept.numel():  # every row lies before its cut
+                    for j in capture or ():
+                        if j > i:  # inputs of the decoder layers these rows skip
+                            capture[j] = torch.full_like(streams, float("nan"))
                     return None
                 if kept is not None:
                     floor = [c for s, c in zip(batch.seqs, cuts) if s.start + s.length > c]
@@ -219,3 +262,10 @@ class PrefillPathV41:
             offset += e - s
         rows = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         return torch.from_numpy(rows.astype(np.int64)).to(batch.input_ids.device), seqs
+
+
+def _full_rows(t: torch.Tensor, kept: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Rows of a compact replay's kept subset back at their batch rows (NaN elsewhere)."""
+    full = t.new_full((num_tokens, *t.shape[1:]), float("nan"))
+    full[kept] = t
+    return full
