@@ -98,6 +98,8 @@ def build(cfg, device: str, seed: int = 0) -> torch.nn.Module:
 
 
 def commit() -> str:
+    if os.environ.get("DEEPINFER_COMMIT"):  # a copied checkout (the GPU host) may hold another HEAD
+        return os.environ["DEEPINFER_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=HERE).strip()
     except Exception:

@@ -9,6 +9,10 @@ engines built over models in memory).
 2. Speed: one 8k-token prefill per mode (compiled), the reference path's compact 8k
    prefill, and V4 `mini`'s compiled 8k prefill in the same run (issue 23's target:
    V4.1 8k prefill with compact replay >= V4's).
+3. Batch-invariant mode (replay off, skipped past --invariant-after-s of wall time): a
+   seeded request alone, among 6 and among 63 others on a small token budget (its rows in
+   prefill, mixed and decode steps of different sizes): tokens and log-probs bitwise the
+   same; the mode's compiled 8k prefill against the default mode's (target >= 0.4x).
 
 Writes ``v41_prefill_<hardware>_<commit>.json`` (commit, hardware, config, results,
 ``targets`` [{name, value, target, met}]) under --out (default $OUT or profiling/results),
@@ -50,12 +54,12 @@ def configs(tiny: bool) -> tuple:
     return mini_config(), mini_v41_config()
 
 
-def engine(model, cfg, args, replay: str, budget: int):
+def engine(model, cfg, args, replay: str | None, budget: int, dtype: str = "bfloat16"):
     cfg_dir = tempfile.mkdtemp(prefix="v41_prefill_cfg_")
     with open(os.path.join(cfg_dir, "config.json"), "w") as f:  # random ids: the bundled tokenizer, on purpose
         json.dump({**cfg.to_official_json(), "deepinfer_tokenizer": "bundled"}, f)
     extra = {"swa_replay_mode": replay, "swa_replay_keep": args.keep} if replay else {}
-    return PrebuiltLLM(model, cfg_dir, dtype="bfloat16", max_model_len=args.prefill + 64, max_num_seqs=8,
+    return PrebuiltLLM(model, cfg_dir, dtype=dtype, max_model_len=args.prefill + 64, max_num_seqs=8,
                        max_num_batched_tokens=budget, enable_prefix_caching=False, **extra)
 
 
@@ -103,6 +107,18 @@ def prefill_tok_s(llm, tokens: int, compiled: bool = True) -> dict:
             "path": "compiled" if compiled and llm.runner.fast_prefill is not None else "reference"}
 
 
+def build_float32(cfg, device: str) -> torch.nn.Module:
+    """`build`'s random model in float32 (the same seed's draws, rounded once less)."""
+    from deepinfer.models.registry import build_model
+    from deepinfer.models.tiny import init_random
+
+    with torch.device("meta"):
+        model = build_model(cfg, torch.float32)
+    model = model.to_empty(device=device)
+    init_random(model, 0, device=device)
+    return model.eval()
+
+
 def drop(llm) -> None:
     del llm
     gc.collect()
@@ -143,15 +159,25 @@ def main(argv: list[str] | None = None) -> dict:
     llm = engine(model, v41_cfg, args, "compact", 48 if args.tiny else 256)  # chunks and decode rows share steps
     out["v41"]["mixed_compact"] = {"check": check(llm, lens, new)}
     drop(llm)
+    # float32: the kernels against the reference without bf16 rounding (FP8 / FP4 KV rounding
+    # and the indexer's top-k turn bf16 differences into different entries)
+    del model
+    model = build_float32(v41_cfg, device)
+    for mode in ("off", "compact"):
+        llm = engine(model, v41_cfg, args, mode, max(args.prefill, 2048), dtype="float32")
+        out["v41"][f"{mode}_float32"] = {"check": check(llm, lens, new)}
+        drop(llm)
     del model
     model = build(v4_cfg, device)
     llm = engine(model, v4_cfg, args, None, max(args.prefill, 2048))
+    out["v4"]["check"] = check(llm, lens, new)  # V4's compiled prefill in bf16: the baseline
     out["v4"]["prefill"] = prefill_tok_s(llm, args.prefill)
     drop(llm)
     out["wall_s"] = round(time.time() - t0, 1)
     v41 = out["v41"]
+    checked = (*MODES, "mixed_compact", "off_float32", "compact_float32")
     targets = [{"name": f"v41 {m} compiled first token == reference", "value": v41[m]["check"]["first_token_equal"],
-                "target": True, "met": v41[m]["check"]["first_token_equal"]} for m in (*MODES, "mixed_compact")]
+                "target": True, "met": v41[m]["check"]["first_token_equal"]} for m in checked]
     ratio = v41["compact"]["prefill"]["tok_s"] / out["v4"]["prefill"]["tok_s"]
     targets.append({"name": "v41 8k prefill (compact) / v4 8k prefill", "value": round(ratio, 3), "target": 1.0,
                     "met": ratio >= 1.0})
@@ -162,12 +188,13 @@ def main(argv: list[str] | None = None) -> dict:
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(f"{'case':16} {'tok/s':>10} {'agree prefix':>22} {'dlogp0':>8}")
-    for name in (*MODES, "mixed_compact"):
+    for name in checked:
         r = v41[name]
         print(f"v41 {name:12} {r.get('prefill', {}).get('tok_s', '-'):>10} {str(r['check']['agree_prefix']):>22} "
               f"{r['check']['first_logprob_max_diff']:>8}")
     print(f"v41 compact ref  {v41['compact']['prefill_reference']['tok_s']:>10}")
-    print(f"v4 compiled      {out['v4']['prefill']['tok_s']:>10}")
+    print(f"v4 compiled      {out['v4']['prefill']['tok_s']:>10} {str(out['v4']['check']['agree_prefix']):>22} "
+          f"{out['v4']['check']['first_logprob_max_diff']:>8}")
     for t in targets:
         print(f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {t['value']} (target {t['target']})")
     print(f"wrote {path} ({out['wall_s']} s)")
