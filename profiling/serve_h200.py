@@ -6,7 +6,7 @@
    (another M in every GEMM, another CUDA-graph bucket) rounds differently, and random
    weights leave near-ties in the logits, so four prompts in one offline batch against four
    sequential server requests compared batch 4 against batch 1, not the server (the MISS
-   at 61c6cdb).
+   in profiling/results/serve_h200_61c6cdb.json).
 2. Saturation: B requests at once (``--batch``, also max_num_seqs) of P prompt + N output
    tokens (ignore_eos): output tok/s through the server (`deepinfer bench serve`'s client,
    request rate inf, max concurrency B) over LLM.generate's for the same batch; target >= 0.9x.

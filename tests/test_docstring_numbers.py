@@ -36,14 +36,7 @@ PATTERNS: dict[str, re.Pattern[str]] = {
     "commit hash": re.compile(r"(?<![\w./-])(?=[0-9a-f]{7,12}(?![\w-]))(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,12}"),
 }
 #: (path, pattern name) pairs let through, each with its reason. Keep it short.
-ALLOWED: dict[tuple[str, str], str] = {
-    # H-25 was editing this file when the sweep ran (uncommitted hunks); its "MISS at <commit>"
-    # note belongs in the serve_h200 result's notes: remove this entry when it moves.
-    ("profiling/serve_h200.py", "commit hash"): "owner's edits in flight",
-    # H-GC2 was editing this file (uncommitted hunks); its graph-memory over / under-count
-    # figures belong in the decode_grid result's notes: remove this entry when they move.
-    ("deepinfer/models/fast/decode_graphs.py", "speedup"): "owner's edits in flight",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def _texts(path: Path) -> Iterator[tuple[int, str]]:
