@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer.errors import InvalidRequestError
-from deepinfer.structured.checks import check_regex, check_xgrammar, provably_disjoint, rewrite_regexes
+from deepinfer.structured.checks import check_regex, check_xgrammar, rewrite_regexes
+from deepinfer.structured.llg_rewrites import LLG_EXACT_FORMATS, check_llg_formats, llg_rewrite
 from deepinfer.structured.schema_rules import normalize_schema, schema_error
 from deepinfer.structured.spec import StructuredOutputSpec
 
@@ -35,9 +36,6 @@ __all__ = ["BACKENDS", "LLG_EXACT_FORMATS", "GrammarPlan", "plan_spec", "backend
            "xgrammar_json_options"]
 
 BACKENDS = ("xgrammar", "llguidance")
-#: Formats llguidance's grammar admits only values jsonschema's format checker accepts
-#: (fuzzed: tests/test_structured_backends.py). date / date-time / time are patterns by then.
-LLG_EXACT_FORMATS = frozenset({"email", "uuid", "ipv4", "ipv6", "hostname", "uri", "duration"})
 
 
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
@@ -113,64 +111,11 @@ def _native_stderr() -> Iterator[list[str]]:
             lines.extend(f.read().decode("utf-8", errors="replace").splitlines())
 
 
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_VALUE_KEYS = ("enum", "const", "default", "examples", "required")
-
-
-def _subschemas(schema: dict, where: str) -> list[tuple[Any, str]]:
-    """The direct subschemas of a schema object with their JSON paths."""
-    out = []
-    for key, value in schema.items():
-        if key in _VALUE_KEYS:
-            continue  # values, not subschemas
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            out += [(v, f"{where}/{key}/{name}") for name, v in value.items()]
-        elif isinstance(value, list):
-            out += [(v, f"{where}/{key}/{i}") for i, v in enumerate(value)]
-        elif isinstance(value, dict):
-            out.append((value, f"{where}/{key}"))
-    return out
-
-
-def _check_llg_formats(schema: Any, where: str) -> None:
-    if not isinstance(schema, dict):
-        return
-    fmt = schema.get("format")
-    if isinstance(fmt, str) and fmt not in LLG_EXACT_FORMATS:
-        raise schema_error(where, f"JSON schema format {fmt!r} is not enforced exactly by the llguidance "
-                                  f"backend; exact formats: {sorted(LLG_EXACT_FORMATS)} and date/date-time/time")
-    for sub, path in _subschemas(schema, where):
-        _check_llg_formats(sub, path)
-
-
-def _exact_one_of(schema: Any) -> Any:
-    """``oneOf`` whose branches are pairwise provably disjoint is ``anyOf`` (exactly: at most
-    one branch can match); llguidance implements anyOf only. Other oneOf stay (and are refused)."""
-    if isinstance(schema, list):
-        return [_exact_one_of(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key in _VALUE_KEYS:
-            out[key] = value
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: _exact_one_of(v) for name, v in value.items()}
-        else:
-            out[key] = _exact_one_of(value)
-    branches = out.get("oneOf")
-    if isinstance(branches, list) and "anyOf" not in out and all(
-            provably_disjoint(branches[i], branches[j]) for i in range(len(branches))
-            for j in range(i + 1, len(branches))):
-        out["anyOf"] = out.pop("oneOf")
-    return out
-
-
 def _llguidance_json(schema: dict, spec: StructuredOutputSpec) -> str:
     from deepinfer.structured.llg_backend import llg_grammar
 
-    rewritten = _exact_one_of(rewrite_regexes(schema))
-    _check_llg_formats(rewritten, "schema")
+    rewritten = llg_rewrite(rewrite_regexes(schema))
+    check_llg_formats(rewritten)
     return llg_grammar(rewritten, any_whitespace=spec.any_whitespace)
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from deepinfer.errors import InvalidRequestError
+from deepinfer.structured.disjoint import provably_disjoint
 from deepinfer.structured.patterns import DATE_PATTERN, DATE_TIME_PATTERN, TIME_PATTERN  # noqa: F401
 from deepinfer.structured.schema_rules import normalize_schema
 
@@ -65,8 +66,6 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 #: Letter escapes xgrammar's regex parser understands (others: literal letter or error).
 _LETTER_ESCAPES = frozenset("dDwWsSnrtfvxu")
-_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
-               type(None): "null"}
 
 
 def _err(where: str, message: str) -> InvalidRequestError:
@@ -122,50 +121,7 @@ def check_regex(regex: str, where: str = "regex") -> str:
 
 
 # ------------------------------------------------------------------- JSON schema
-def _types(schema: Any) -> set[str] | None:
-    """JSON types a subschema can match, when that is evident; None = unknown/any."""
-    if not isinstance(schema, dict):
-        return None
-    t = schema.get("type")
-    if isinstance(t, str):
-        found = {t}
-    elif isinstance(t, list):
-        found = set(t)
-    elif "const" in schema:
-        found = {_JSON_TYPES.get(type(schema["const"]), "?")}
-    elif isinstance(schema.get("enum"), list):
-        found = {_JSON_TYPES.get(type(v), "?") for v in schema["enum"]}
-    else:
-        return None
-    return found | {"number"} if "integer" in found else found  # every integer is a number
-
-
-def _consts(schema: Any, prop: str) -> list | None:
-    """The values property ``prop`` may take, when the subschema requires it and pins it."""
-    if not isinstance(schema, dict) or prop not in schema.get("required", []):
-        return None
-    sub = schema.get("properties", {}).get(prop)
-    if isinstance(sub, dict) and "const" in sub:
-        return [sub["const"]]
-    if isinstance(sub, dict) and isinstance(sub.get("enum"), list):
-        return list(sub["enum"])
-    return None
-
-
-def provably_disjoint(a: Any, b: Any) -> bool:
-    """No value validates against both subschemas (distinct types or a required const discriminator)."""
-    ta, tb = _types(a), _types(b)
-    if ta is not None and tb is not None and not ta & tb:
-        return True
-    if isinstance(a, dict) and isinstance(b, dict):  # a required discriminator property
-        for prop in set(a.get("required", [])) & set(b.get("required", [])):
-            ca, cb = _consts(a, prop), _consts(b, prop)
-            if ca is not None and cb is not None and not any(x == y for x in ca for y in cb):
-                return True
-    return False
-
-
-def _check_keywords(schema: dict, where: str) -> None:
+def _check_keywords(schema: dict, where: str, root: Any) -> None:
     if schema.get("pattern") in (TIME_PATTERN, DATE_TIME_PATTERN):
         # xgrammar's JSON-pattern conversion accepts e.g. "11:29:322-12:12" for the time
         # pattern (an optional fraction group before the zone alternation is misread)
@@ -200,7 +156,7 @@ def _check_keywords(schema: dict, where: str) -> None:
     if isinstance(branches, list):
         for i in range(len(branches)):
             for j in range(i + 1, len(branches)):
-                if not provably_disjoint(branches[i], branches[j]):
+                if not provably_disjoint(branches[i], branches[j], root):
                     raise _err(where, f"JSON schema 'oneOf' branches {i} and {j} may overlap, and the grammar "
                                       f"backend would enforce only anyOf; give branches distinct 'type's or a "
                                       f"required 'const' discriminator property, or use 'anyOf'")
@@ -231,7 +187,14 @@ def _check_interactions(schema: dict, where: str) -> None:
                               f"backend (it drops the length bounds)")
 
 
-def _walk(schema: Any, where: str, xgrammar: bool = True) -> Any:
+def _closed(schema: dict) -> bool:
+    """Only the listed properties can appear (xgrammar's strict mode closes an object whose
+    additionalProperties is absent; a patternProperties name could still match)."""
+    return schema.get("additionalProperties", False) is False and not schema.get("patternProperties") \
+        and schema.get("unevaluatedProperties", False) is False
+
+
+def _walk(schema: Any, where: str, xgrammar: bool = True, root: Any = None) -> Any:
     """Check one subschema (xgrammar's rules unless ``xgrammar`` is False) and return a copy
     with its regexes rewritten."""
     if isinstance(schema, bool):
@@ -239,23 +202,28 @@ def _walk(schema: Any, where: str, xgrammar: bool = True) -> Any:
     if not isinstance(schema, dict):
         raise _err(where, f"a JSON schema must be an object or a boolean, got {schema!r}")
     if xgrammar:
-        _check_keywords(schema, where)
+        _check_keywords(schema, where, root)
     out = dict(schema)
     if isinstance(schema.get("pattern"), str):
         out["pattern"] = check_regex(schema["pattern"], f"{where}/pattern")
     for key in _SUBSCHEMA:
         if key in schema and not isinstance(schema[key], list):
-            out[key] = _walk(schema[key], f"{where}/{key}", xgrammar)
+            out[key] = _walk(schema[key], f"{where}/{key}", xgrammar, root)
     for key in _SUBSCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             sub = {}
             for name, value in schema[key].items():
+                if xgrammar and value is False and key == "properties":
+                    if not _closed(schema):
+                        raise _err(f"{where}/{key}/{name}", "a forbidden property ('false' schema) of an open "
+                                                            "object is not expressible in the xgrammar backend")
+                    continue  # forbidden in a closed object (strict mode): dropping it changes nothing
                 new_name = check_regex(name, f"{where}/{key}") if key == "patternProperties" else name
-                sub[new_name] = _walk(value, f"{where}/{key}/{name}", xgrammar)
+                sub[new_name] = _walk(value, f"{where}/{key}/{name}", xgrammar, root)
             out[key] = sub
     for key in _SUBSCHEMA_LISTS:
         if isinstance(schema.get(key), list):
-            out[key] = [_walk(s, f"{where}/{key}/{i}", xgrammar) for i, s in enumerate(schema[key])]
+            out[key] = [_walk(s, f"{where}/{key}/{i}", xgrammar, root) for i, s in enumerate(schema[key])]
     return out
 
 
@@ -263,13 +231,13 @@ def check_xgrammar(schema: dict) -> dict:
     """xgrammar's part of admission, on a schema ``normalize_schema`` returned: raise
     InvalidRequestError naming the first construct xgrammar would weaken (by JSON pointer,
     e.g. ``schema/properties/tags``); else return the schema to compile (regexes rewritten)."""
-    return _walk(schema, "schema")
+    return _walk(schema, "schema", root=schema)
 
 
 def rewrite_regexes(schema: dict) -> dict:
     """Only the regex rules (Python ``re`` semantics, unsupported syntax rejected): the
     part of this module the llguidance backend needs too."""
-    return _walk(schema, "schema", xgrammar=False)
+    return _walk(schema, "schema", xgrammar=False, root=schema)
 
 
 def check_json_schema(schema: dict) -> dict:

@@ -9,16 +9,24 @@ Before either grammar backend sees a schema, :func:`normalize_schema` walks it a
   ``maxProperties``, empty ``anyOf`` / ``oneOf`` / ``allOf``, and inverted bounds
   (``minimum > maximum``, ``minLength > maxLength``, ``minItems > maxItems``,
   ``minProperties > maxProperties``). The backends would otherwise emit *some* JSON
-  (``{}``, ``0.00``) that fails the schema, or a value of another type;
+  (``{}``, ``0.00``) that fails the schema, or a value of another type. Such a
+  contradiction is only fatal where it makes the whole schema unsatisfiable: an
+  unsatisfiable *optional* property (or ``patternProperties`` / ``$defs`` member, or
+  ``additionalProperties``) becomes ``false`` (exactly: it may not be present), an
+  unsatisfiable ``anyOf`` / ``oneOf`` branch is dropped (it never matches), and an
+  unsatisfiable ``not`` is dropped (its negation holds for every value);
 * rewrites constructs into equivalent (or, for 64-bit bounds, narrower) ones every
   backend enforces exactly: ``enum`` values of the wrong ``type`` are dropped (they can
   never validate), ``format: date`` / ``date-time`` / ``time`` become exact calendar
   patterns (``patterns.py``), formats that JSON Schema does not define (``int32``,
-  ``byte``, ``topic``...) are dropped (validators treat them as annotations), and
+  ``byte``, ``topic``...) are dropped (validators treat them as annotations), as is
+  draft 3's ``utc-millisec`` on a numeric type (every number is a millisecond count), and
   ``uniqueItems: false`` (a no-op) is dropped;
 * integer bounds past 64 bits (xgrammar fails on them with "Check failed"; llguidance
-  clamps them, or crashes below -2**63) are clamped into the 64-bit range when values
-  remain, which only narrows what is generated; a range wholly past 64 bits is rejected.
+  clamps them, or fails / crashed below -2**63) are clamped into the 64-bit range when
+  values remain, wherever only integers are numeric (``"integer"``, ``["integer",
+  "null"]``...), which only narrows what is generated; a range wholly past 64 bits is
+  rejected. A bound past 64 bits on a ``number`` is left to the backends, which refuse it.
 """
 
 from __future__ import annotations
@@ -42,10 +50,18 @@ _FORMAT_PATTERNS = {"date": DATE_PATTERN, "date-time": DATE_TIME_PATTERN, "time"
 _TYPES = ("null", "boolean", "object", "array", "number", "string", "integer")
 _SUB = ("additionalProperties", "unevaluatedProperties", "propertyNames", "items", "unevaluatedItems",
         "additionalItems", "contains", "not", "if", "then", "else")
-_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 _SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _BOUND_PAIRS = (("minLength", "maxLength", "string"), ("minItems", "maxItems", "array"),
                 ("minProperties", "maxProperties", "object"))
+
+
+class Unsatisfiable(InvalidRequestError):
+    """A subschema no value satisfies (the enclosing schema may still be satisfiable without it)."""
+
+
+def _unsat(where: str, message: str) -> Unsatisfiable:
+    return Unsatisfiable(f"SamplingParams.structured_output: {where}: {message}", field="structured_output")
 
 
 def schema_error(where: str, message: str) -> InvalidRequestError:
@@ -76,7 +92,7 @@ def _types(schema: dict, where: str) -> set[str] | None:
     if not isinstance(found, list) or any(x not in _TYPES for x in found):
         raise schema_error(f"{where}/type", f"'type' must be one of {list(_TYPES)} or a list of them, got {t!r}")
     if not found:
-        raise schema_error(f"{where}/type", "'type': [] allows no value at all (unsatisfiable)")
+        raise _unsat(f"{where}/type", "'type': [] allows no value at all (unsatisfiable)")
     return set(found)
 
 
@@ -89,31 +105,31 @@ def _check_values(schema: dict, out: dict, types: set[str] | None, where: str) -
         if types is not None:
             kept = [v for v in values if _fits(v, types)]
             if not kept:
-                raise schema_error(f"{where}/enum", f"no value of 'enum' {values!r} is of 'type' {sorted(types)} "
+                raise _unsat(f"{where}/enum", f"no value of 'enum' {values!r} is of 'type' {sorted(types)} "
                                                     f"(contradictory: nothing validates)")
             out["enum"] = kept
     if "const" in schema:
         c = schema["const"]
         if types is not None and not _fits(c, types):
-            raise schema_error(f"{where}/const", f"'const' {c!r} is not of 'type' {sorted(types)} "
+            raise _unsat(f"{where}/const", f"'const' {c!r} is not of 'type' {sorted(types)} "
                                                  f"(contradictory: nothing validates)")
         if "enum" in out and not any(c == v and json_type(c) == json_type(v) for v in out["enum"]):
-            raise schema_error(f"{where}/const", f"'const' {c!r} is not in 'enum' (contradictory)")
+            raise _unsat(f"{where}/const", f"'const' {c!r} is not in 'enum' (contradictory)")
 
 
 def _check_bounds(schema: dict, out: dict, types: set[str] | None, where: str) -> None:
     for lo, hi, kind in _BOUND_PAIRS:
         a, b = schema.get(lo), schema.get(hi)
         if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a > b and (types is None or kind in types):
-            raise schema_error(f"{where}/{lo}", f"'{lo}' {a} > '{hi}' {b}: no {kind} satisfies both")
+            raise _unsat(f"{where}/{lo}", f"'{lo}' {a} > '{hi}' {b}: no {kind} satisfies both")
     lo_v = max((schema[k] for k in ("minimum", "exclusiveMinimum") if _num(schema.get(k))), default=None)
     hi_v = min((schema[k] for k in ("maximum", "exclusiveMaximum") if _num(schema.get(k))), default=None)
     if lo_v is not None and hi_v is not None:
         strict = schema.get("exclusiveMinimum") == lo_v or schema.get("exclusiveMaximum") == hi_v
         if lo_v > hi_v or (strict and lo_v == hi_v):
-            raise schema_error(f"{where}/minimum", f"the lower bound {lo_v} is above the upper bound {hi_v}: "
+            raise _unsat(f"{where}/minimum", f"the lower bound {lo_v} is above the upper bound {hi_v}: "
                                                    f"no number satisfies both")
-    if types is not None and types <= {"integer"}:
+    if types is not None and "integer" in types and "number" not in types:  # bounds bind integers only
         _clamp_integer_bounds(schema, out, where)
 
 
@@ -139,7 +155,7 @@ def _check_object(schema: dict, where: str) -> None:
     if not isinstance(required, list):
         return
     if isinstance(schema.get("maxProperties"), int) and len(set(required)) > schema["maxProperties"]:
-        raise schema_error(f"{where}/required", f"{len(set(required))} 'required' properties but 'maxProperties' "
+        raise _unsat(f"{where}/required", f"{len(set(required))} 'required' properties but 'maxProperties' "
                                                 f"{schema['maxProperties']}: no object satisfies both")
     if schema.get("additionalProperties") is not False:
         return
@@ -150,7 +166,7 @@ def _check_object(schema: dict, where: str) -> None:
         sub = props.get(name)
         matched = [p for p in patterns if _search(p, name)]
         if (name not in props and not matched) or (sub is False and not matched):
-            raise schema_error(f"{where}/required", f"required property {name!r} is not allowed by "
+            raise _unsat(f"{where}/required", f"required property {name!r} is not allowed by "
                                                     f"'additionalProperties': false (no object satisfies the schema)")
 
 
@@ -161,10 +177,14 @@ def _search(pattern: str, name: str) -> bool:
         return True  # unknown: do not call it unsatisfiable (the regex check reports a bad pattern)
 
 
-def _rewrite_format(schema: dict, out: dict, where: str) -> None:
+def _rewrite_format(schema: dict, out: dict, where: str, types: set[str] | None) -> None:
     fmt = schema.get("format")
     if not isinstance(fmt, str) or fmt not in SPEC_FORMATS:
         out.pop("format", None)  # not a JSON Schema format: validators treat it as an annotation
+        return
+    if fmt == "utc-millisec" and types is not None and types <= {"number", "integer"}:
+        # draft 3: a number of milliseconds since the epoch; every number is one
+        del out["format"]
         return
     if fmt in _FORMAT_PATTERNS:
         if "pattern" in schema:
@@ -183,21 +203,64 @@ def _walk(schema: Any, where: str) -> Any:
     types = _types(schema, where)
     _check_values(schema, out, types, where)
     _check_bounds(schema, out, types, where)
-    _check_object(schema, where)
-    _rewrite_format(schema, out, where)
+    _rewrite_format(schema, out, where, types)
     if schema.get("uniqueItems") is False:
         del out["uniqueItems"]
     for key in _SUB:
         if key in schema and not isinstance(schema[key], list):
-            out[key] = _walk(schema[key], f"{where}/{key}")
+            try:
+                out[key] = _walk(schema[key], f"{where}/{key}")
+            except Unsatisfiable:
+                if key == "not":  # "not" of nothing holds for every value
+                    del out["not"]
+                elif key in ("additionalProperties", "unevaluatedProperties"):
+                    out[key] = False  # exactly: no such property can be present
+                else:
+                    raise
+    if out.get("not") is True or out.get("not") == {}:
+        raise Unsatisfiable(f"SamplingParams.structured_output: {where}/not: 'not' of a schema every value "
+                            f"satisfies allows no value (unsatisfiable)", field="structured_output")
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
     for key in _SUB_MAPS:
         if isinstance(schema.get(key), dict):
-            out[key] = {name: _walk(v, f"{where}/{key}/{name}") for name, v in schema[key].items()}
+            out[key] = {name: _walk_member(key, name, v, f"{where}/{key}/{name}", required)
+                        for name, v in schema[key].items()}
     for key in _SUB_LISTS:
         if isinstance(schema.get(key), list):
             if not schema[key] and key in ("anyOf", "oneOf", "allOf"):
                 raise schema_error(f"{where}/{key}", f"'{key}' must be a non-empty list (an empty one is invalid)")
-            out[key] = [_walk(s, f"{where}/{key}/{i}") for i, s in enumerate(schema[key])]
+            out[key] = _walk_list(key, schema[key], f"{where}/{key}")
+    _check_object(out, where)  # after the members: a required property may have become false
+    return out
+
+
+def _walk_member(key: str, name: str, sub: Any, where: str, required: list) -> Any:
+    """A member of ``properties`` / ``patternProperties`` / ``$defs`` ...: an unsatisfiable one
+    becomes ``false`` (exactly what it allows: nothing); the enclosing object can still be
+    satisfied without it unless it is required (then ``_check_object`` reports it)."""
+    if isinstance(sub, list) and key == "dependencies":
+        return sub  # a property dependency (names), not a schema
+    try:
+        return _walk(sub, where)
+    except Unsatisfiable:
+        if (key == "properties" and name in required) or key in ("dependentSchemas", "dependencies"):
+            raise
+        return False
+
+
+def _walk_list(key: str, items: list, where: str) -> list:
+    """anyOf / oneOf branches that allow nothing are dropped (they never match); allOf and
+    prefixItems keep the error."""
+    out, first = [], None
+    for i, sub in enumerate(items):
+        try:
+            out.append(_walk(sub, f"{where}/{i}"))
+        except Unsatisfiable as e:
+            if key not in ("anyOf", "oneOf"):
+                raise
+            first = first or e
+    if not out and first is not None:
+        raise first
     return out
 
 
