@@ -183,6 +183,9 @@ _DECLARED: tuple[EnvVar, ...] = (
     EnvVar("DEEPINFER_STRUCTURED_BACKEND", "choice", _choice("auto", "xgrammar", "llguidance"), "auto",
            "auto|xgrammar|llguidance: grammar backend of JSON-schema structured output (auto = xgrammar, "
            "llguidance per schema where only it enforces the schema exactly)"),
+    EnvVar("DEEPINFER_GRAMMAR_COMPILE_TIMEOUT_S", "float", _positive_float, 30.0,
+           "seconds > 0 admission waits for a request's grammar to compile; a grammar still compiling then is "
+           "refused (field structured_output), never run unchecked (default 30)"),
     # ---- results, tests and scripts ----
     EnvVar("DEEPINFER_COMMIT", "str", _str, None,
            "the source commit recorded in results when the tree's .git cannot tell (device copies)"),

@@ -15,6 +15,7 @@ import json
 import random
 import re
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -239,27 +240,27 @@ def test_invalid_spec_is_rejected_before_anything_is_queued(llm: LLM) -> None:
     assert llm.generate(["a"], good, use_tqdm=False)[0].finish_reason in ("stop", "length")  # still serving
 
 
-def test_a_slow_grammar_does_not_stall_other_requests(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_grammar_slower_than_the_limit_is_refused_never_run_unchecked(llm: LLM,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     release = threading.Event()
     original = GrammarCompilerPool._compile
 
     def slow_compile(self: GrammarCompilerPool, spec: object) -> object:
-        release.wait(timeout=60)  # held until the unconstrained request has finished
+        release.wait(timeout=60)  # held until the test lets it finish
         return original(self, spec)  # type: ignore[arg-type]
 
     monkeypatch.setattr(GrammarCompilerPool, "_compile", slow_compile)
-    original_update = llm.scheduler.update
-
-    def update(*args: object) -> list:
-        touched = original_update(*args)  # type: ignore[arg-type]
-        if any(r.is_finished and r.sampling_params.structured_output is None for r in touched):
-            release.set()
-        return touched
-
-    monkeypatch.setattr(llm.scheduler, "update", update)
+    monkeypatch.setenv("DEEPINFER_GRAMMAR_COMPILE_TIMEOUT_S", "0.3")
     slow_spec = {"regex": "(slow|grammar)[0-9]"}  # not compiled before in this module (no cache hit)
-    outs = llm.generate(["c", "u"], [sp(None, structured_output=slow_spec), sp(None, max_tokens=4)],
-                        use_tqdm=False)
-    constrained, free = outs
-    assert free.metrics.finished_time < constrained.metrics.first_scheduled_time  # ran while it compiled
+    t0 = time.monotonic()
+    with pytest.raises(InvalidRequestError, match=r"sampling_params\[0\].*DEEPINFER_GRAMMAR_COMPILE_TIMEOUT_S=0.3 s") \
+            as info:
+        llm.generate(["c", "u"], [sp(None, structured_output=slow_spec), sp(None, max_tokens=4)], use_tqdm=False)
+    assert info.value.field == "structured_output" and time.monotonic() - t0 < 10
+    assert not llm.scheduler.has_unfinished() and not llm.structured.has_pending()  # nothing was queued
+    release.set()  # the compile finishes in its worker and is cached: the retry runs it, checked
+    monkeypatch.setenv("DEEPINFER_GRAMMAR_COMPILE_TIMEOUT_S", "30")
+    constrained, free = llm.generate(["c", "u"], [sp(None, structured_output=slow_spec), sp(None, max_tokens=4)],
+                                     use_tqdm=False)
     assert constrained.finish_reason == "stop" and re.fullmatch("(slow|grammar)[0-9]", constrained.text)
+    assert len(free.token_ids) == 4

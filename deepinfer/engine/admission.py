@@ -19,10 +19,11 @@ What is checked, per request, in this order:
   must exist in every KV group, else it could never be scheduled;
 * structured output: the schema rules, then the grammar itself compiled (shared with the
   compile the engine does later) and its first step must allow at least one token. The
-  call's grammars compile in parallel and admission waits up to `GRAMMAR_WAIT_S` for
-  them; a grammar still compiling then (a slow one) is admitted unchecked, so it cannot
-  stall the call's other requests, and a failure of its compile is reported when it
-  finishes, as before (the one case where a grammar error surfaces after queueing).
+  call's grammars compile in parallel and admission waits for them up to
+  ``DEEPINFER_GRAMMAR_COMPILE_TIMEOUT_S`` (30 s by default; typical grammars take
+  milliseconds) in all; a grammar still compiling then is refused naming the field and the
+  limit. No request is ever queued with a grammar that was not compiled and checked, so no
+  grammar error can surface after queueing.
 
 ``max_tokens`` past the context is allowed (the request stops at ``max_model_len`` with
 finish reason ``"length"``), and logged once per call as a warning, as vLLM reports it.
@@ -50,8 +51,6 @@ __all__ = ["admit_generate", "prompt_items", "token_id_lists", "check_sampling_v
 
 logger = logging.getLogger(__name__)
 
-#: seconds admission waits for a call's grammars to compile (typical ones take milliseconds)
-GRAMMAR_WAIT_S: float = 2.0
 
 Prompt = tuple[str | None, list[int]]
 
@@ -241,13 +240,21 @@ def _check_grammars(engine: Any, params: list[SamplingParams]) -> None:
     structured.check(params)
     futures = {i: structured.pool.submit(sp.structured_output) for i, sp in enumerate(params)
                if sp.structured_output is not None}
-    deadline = time.monotonic() + GRAMMAR_WAIT_S
+    from deepinfer import envs
+
+    limit = envs.DEEPINFER_GRAMMAR_COMPILE_TIMEOUT_S
+    deadline = time.monotonic() + limit
     for i, fut in futures.items():
         spec = params[i].structured_output
         try:
             compiled = fut.result(timeout=max(0.0, deadline - time.monotonic()))
         except FuturesTimeout:
-            continue  # still compiling: admitted; the engine reports a failure when it finishes
+            # never admitted unchecked; the compile goes on in its worker and is cached, so
+            # a retry of the same spec finds it (sooner) done
+            raise InvalidRequestError(
+                f"sampling_params[{i}]: SamplingParams.structured_output: the grammar did not finish compiling "
+                f"within DEEPINFER_GRAMMAR_COMPILE_TIMEOUT_S={limit:g} s; nothing was queued (simplify the "
+                f"schema, or raise the limit)", field="structured_output") from None
         except Exception as exc:  # noqa: BLE001 - any backend failure is the request's fault here
             raise InvalidRequestError(f"sampling_params[{i}]: SamplingParams.structured_output: grammar "
                                       f"compilation failed: {exc}", field="structured_output") from None
