@@ -12,7 +12,11 @@ DEEPINFER_FAST_PREFILL=0) on a few short prompts. Then timing: decode at batch 1
 ``invariant_compiled_<hardware>_<commit>.json`` under --out (default $OUT or
 profiling/results) with a ``targets`` list of {name, value, target, met}.
 
-    python3 profiling/invariant_compiled_bench.py [--out DIR] [--tiny]   # --tiny: CPU stand-in
+    python3 profiling/invariant_compiled_bench.py [--out DIR] [--tiny] [--size mini|mini_v41]
+
+``--size mini_v41``: DeepSeek-V4.1 at `mini` widths (profiling/v41_bounded_replay.py's
+``mini_v41_config``; V4.1's compiled prefill / mixed steps run the mode's rows too:
+fast/v41_prefill.py), written as ``invariant_compiled_v41_<hardware>_<commit>.json``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from fastpath_check import token_ids  # noqa: E402
 from fastpath_roofline import ModelCosts  # noqa: E402
 
 from deepinfer import SamplingParams  # noqa: E402
-from deepinfer.models.tiny import mini_config, tiny_config  # noqa: E402
+from deepinfer.models.tiny import mini_config, tiny_config, tiny_v41_config  # noqa: E402
 
 
 def engine(model, cfg_dir: str, invariant: bool, args, budget: int | None = None, compiled: bool = True):
@@ -128,9 +132,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--check-tokens", type=int, default=16)
     ap.add_argument("--prefill", type=int, default=8192)
+    ap.add_argument("--size", choices=("mini", "mini_v41"), default="mini", help="V4 or V4.1 at mini widths")
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
-    cfg = tiny_config() if args.tiny else mini_config()
+    if args.size == "mini_v41":
+        from v41_bounded_replay import mini_v41_config
+
+        cfg = tiny_v41_config(vocab_size=512, sliding_window=32, index_topk=8, candidate_topk_blocks=4) \
+            if args.tiny else mini_v41_config()
+    else:
+        cfg = tiny_config() if args.tiny else mini_config()
     hw = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.tiny else "cpu"
     out: dict = {"commit": os.environ.get("DEEPINFER_COMMIT") or commit(), "hardware": hw, "torch": torch.__version__,
                  "config": cfg.to_official_json(), "args": vars(args) | {"out": None}}
@@ -159,7 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     os.makedirs(args.out, exist_ok=True)
     tag = "h200" if "H200" in hw else ("cpu" if hw == "cpu" else hw.replace(" ", "_").lower())
-    path = os.path.join(args.out, f"invariant_compiled_{tag}_{out['commit'][:7]}.json")
+    size = "v41_" if args.size == "mini_v41" else ""
+    path = os.path.join(args.out, f"invariant_compiled_{size}{tag}_{out['commit'][:7]}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(f"{'mode':10} {'what':>8} {'tok/s':>10}")

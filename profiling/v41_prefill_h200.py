@@ -9,10 +9,7 @@ engines built over models in memory).
 2. Speed: one 8k-token prefill per mode (compiled), the reference path's compact 8k
    prefill, and V4 `mini`'s compiled 8k prefill in the same run (issue 23's target:
    V4.1 8k prefill with compact replay >= V4's).
-3. Batch-invariant mode (replay off, skipped past --invariant-after-s of wall time): a
-   seeded request alone, among 6 and among 63 others on a small token budget (its rows in
-   prefill, mixed and decode steps of different sizes): tokens and log-probs bitwise the
-   same; the mode's compiled 8k prefill against the default mode's (target >= 0.4x).
+(Batch-invariant mode of V4.1 on the compiled executor: profiling/v41_invariant_h200.py.)
 
 Writes ``v41_prefill_<hardware>_<commit>.json`` (commit, hardware, config, results,
 ``targets`` [{name, value, target, met}]) under --out (default $OUT or profiling/results),
