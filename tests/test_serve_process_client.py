@@ -29,8 +29,12 @@ def _wait(cond, timeout: float = 60.0) -> bool:
 
 def test_process_client_serves_like_generate():
     llm = LLM(**ENGINE)
-    sp = SamplingParams(max_tokens=16, temperature=0.9, seq_seed=21, stop=[" the"], top_logprobs=1)
-    refs = llm.generate(["The old man and", "Once upon"], sp, use_tqdm=False)
+    # with a stop string the engine decodes the text; without one the client does, from ids
+    sps = [SamplingParams(max_tokens=16, temperature=0.9, seq_seed=21, stop=[" the"], top_logprobs=1),
+           SamplingParams(max_tokens=24, temperature=0.9, seq_seed=22, top_logprobs=1)]
+    sp = sps[0]
+    # one prompt per call, as the client sends them (another batch rounds logprobs differently)
+    refs = [llm.generate([p], s, use_tqdm=False)[0] for p, s in zip(["The old man and", "Once upon"], sps)]
     steps: list[float] = []
     client = ProcessEngineClient(ENGINE, max_waiting=8, on_step=lambda d, t, s, st: steps.append(s))
     client.start()
@@ -40,7 +44,7 @@ def test_process_client_serves_like_generate():
         async def run() -> tuple[list, list, float]:
             outs = []
             for i, prompt in enumerate(["The old man and", "Once upon"]):
-                ids, checked = await client.admit(prompt, None, [sp])
+                ids, checked = await client.admit(prompt, None, [sps[i]])
                 outs.append([d async for d in client.generate(f"r{i}", ids, checked[0], prompt)])
             with pytest.raises(InvalidRequestError) as bad:
                 await client.admit(None, [10, 10**9], [sp])
@@ -70,6 +74,7 @@ def test_process_client_serves_like_generate():
     for deltas, ref in zip(outs, refs):
         assert "".join(d.text for d in deltas) == ref.text
         assert [t for d in deltas for t in d.token_ids] == ref.token_ids
+        assert [x for d in deltas for x in d.logprobs] == pytest.approx(ref.logprobs, abs=1e-5)
         assert deltas[-1].finish_reason == ref.finish_reason and deltas[-1].output.text == ref.text
     assert field == "prompt_token_ids" and n_seen == 2 and freed
     assert any(s > 0 for s in steps) and not client.alive

@@ -139,11 +139,11 @@ class AsyncEngineClient(StreamingClient):
     def _apply(self, kind: str, payload: Any) -> list[StreamDelta]:
         core = self.core
         if kind == "add":
-            request_id, ids, params, prompt = payload
+            request_id, ids, params, prompt, stream_text = payload
             with self._lock:
                 self._queued_adds -= 1
             try:
-                core.add_request(request_id, ids, params, prompt=prompt, stream=True)
+                core.add_request(request_id, ids, params, prompt=prompt, stream=True, stream_text=stream_text)
             except DeepInferError as exc:  # checked before submit; a late refusal ends this request only
                 self._send(request_id, exc)
             except ValueError as exc:

@@ -95,6 +95,7 @@ class _Stream:
 
     loop: asyncio.AbstractEventLoop
     timing: RequestTiming
+    detok: Any = None  # the client's own IncrementalDetokenizer when the engine sends ids only
     items: deque = field(default_factory=deque)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -156,11 +157,17 @@ class StreamingClient:
                     f"the waiting queue is full ({self.max_waiting} requests, --max-waiting); retry later")
             if request_id in self._streams:
                 raise DeepInferError(f"request id {request_id!r} is already in use")
-            stream = _Stream(asyncio.get_running_loop(), RequestTiming(time.monotonic()))
+            stream = _Stream(asyncio.get_running_loop(), RequestTiming(time.monotonic()),
+                             self._client_detokenizer(prompt_token_ids, params))
             self._streams[request_id] = stream
             self._queued_adds += 1
-        self._enqueue("add", (request_id, prompt_token_ids, params, prompt))
+        # stream_text: whether the engine puts text in this request's deltas
+        self._enqueue("add", (request_id, prompt_token_ids, params, prompt, stream.detok is None))
         return stream
+
+    def _client_detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> Any:
+        """A detokenizer this side runs for the request (None: the engine sends its text)."""
+        return None
 
     def abort(self, request_id: str) -> None:
         """End a request; its blocks are freed before the engine's next step."""

@@ -130,11 +130,12 @@ class EngineCore:
 
     # ---- the four verbs ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                    prompt: str | None = None, stream: bool = False) -> Request:
+                    prompt: str | None = None, stream: bool = False, stream_text: bool = True) -> Request:
         """Queue one request whose inputs were checked (`deepinfer.engine.admission.admit_generate`);
-        ``sampling_params`` already resolved with ``for_request()`` (a concrete seed)."""
+        ``sampling_params`` already resolved with ``for_request()`` (a concrete seed). ``stream``:
+        a delta every step; ``stream_text=False``: deltas without text (the client decodes them)."""
         req = Request(request_id, prompt_token_ids, sampling_params, eos_token_id=self.eos_token_id)
-        self.outputs.add(req, prompt, stream)
+        self.outputs.add(req, prompt, stream, stream_text)
         try:
             if sampling_params.structured_output is not None:
                 self.structured.add(req)  # joins the scheduler once its grammar is compiled

@@ -4,7 +4,9 @@ The engine core hands every step's touched requests here. Per request one
 :class:`~deepinfer.detokenizer.IncrementalDetokenizer` turns new token ids into text:
 
 * a streamed request (``stream=True``, the server) is detokenized every step and gets a
-  :class:`StreamDelta` with the new text, ids and logprobs;
+  :class:`StreamDelta` with the new text, ids and logprobs; with ``stream_text=False`` (the
+  process client, which detokenizes in the server's process, off the engine's step) its
+  deltas carry ids and logprobs only, and its text is decoded once, for the final output;
 * an offline request (``LLM.generate``) is detokenized while generating only when it has
   stop strings (the text is needed to find them), else once, when its output is built,
   and gets a delta only when it finishes (enough to move a progress bar).
@@ -49,6 +51,7 @@ class _State:
     prompt: str | None
     detok: IncrementalDetokenizer
     stream: bool
+    stream_text: bool = True  # streamed deltas carry their text (else ids only; the client decodes)
     sent_tokens: int = 0  # output ids already reported in deltas (stream mode)
 
 
@@ -65,12 +68,13 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._states)
 
-    def add(self, req: Request, prompt: str | None, stream: bool = False) -> None:
-        """Track ``req`` from now on (before it can be scheduled)."""
+    def add(self, req: Request, prompt: str | None, stream: bool = False, stream_text: bool = True) -> None:
+        """Track ``req`` from now on (before it can be scheduled). ``stream_text=False``: its
+        deltas carry no text (stop strings still need it: such a request keeps its text here)."""
         sp = req.sampling_params
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, sp.skip_special_tokens, sp.stop,
                                        sp.include_stop_str_in_output)
-        self._states[req.req_id] = _State(req, prompt, detok, stream)
+        self._states[req.req_id] = _State(req, prompt, detok, stream, stream_text or bool(detok.stop))
 
     def process(self, touched: list[Request],
                 finish: Callable[[str, str, str], None]) -> list[StreamDelta]:
@@ -85,7 +89,7 @@ class OutputProcessor:
             detok = st.detok
             text = ""
             # offline requests without stop strings are decoded once, in output(): no text per step
-            if not detok.finished and (st.stream or detok.stop):
+            if not detok.finished and ((st.stream and st.stream_text) or detok.stop):
                 text = detok.update(req.output_token_ids[len(detok.token_ids):])
                 if detok.stopped_by is not None and not req.is_finished:
                     finish(req.req_id, "stop", detok.stopped_by)
@@ -105,9 +109,10 @@ class OutputProcessor:
         tops = list(req.output_top_logprobs[start:]) if sp.top_logprobs and req.output_top_logprobs else None
         delta = StreamDelta(req.req_id, text, list(new), lps, tops)
         if req.is_finished:
-            if not st.detok.finished:
-                delta.text += st.detok.update(req.output_token_ids[len(st.detok.token_ids):])
-            delta.text += st.detok.finish()
+            if st.stream_text:
+                if not st.detok.finished:
+                    delta.text += st.detok.update(req.output_token_ids[len(st.detok.token_ids):])
+                delta.text += st.detok.finish()
             delta.finish_reason, delta.stop_reason = req.finish_reason, req.stop_reason
             delta.output = self.output(req.req_id)
         return delta

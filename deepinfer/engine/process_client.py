@@ -15,6 +15,11 @@ A reader thread in the server's process unpickles it and posts the deltas to the
 (`StreamingClient._dispatch`). Measured against the thread client by
 ``profiling/serve_h200.py`` (CPU with ``--tiny``, and on an H200).
 
+The engine sends token ids only: each stream's text is decoded here, in the reader thread
+(`IncrementalDetokenizer`, as the engine would), so detokenizing every stream every step
+is off the engine's step (``LLM.generate`` decodes once, at the end). A request with stop
+strings keeps its text in the engine, which must see it to stop the request at once.
+
 Commands travel the other way on the same pipe: ``add``, ``abort`` (applied before the
 engine's next step, so KV blocks are freed within one step), ``admit`` (the admission
 checks, run on a worker thread of the engine process because they read its KV pools and
@@ -35,7 +40,9 @@ import time
 import traceback
 from typing import Any
 
+from deepinfer.detokenizer import IncrementalDetokenizer
 from deepinfer.engine.client_base import EngineDeadError, EngineStats, StepHook, StreamingClient
+from deepinfer.engine.output_processor import StreamDelta
 from deepinfer.errors import DeepInferError, InvalidRequestError
 from deepinfer.sampling_params import SamplingParams
 
@@ -151,6 +158,7 @@ class ProcessEngineClient(StreamingClient):
                     if step_s > 0:
                         self.busy_s += step_s
                         self.num_steps += 1
+                    self._detokenize(deltas)
                     timings = self._dispatch(deltas)
                     if self.on_step is not None:
                         self.on_step(deltas, timings, step_s, stats)
@@ -166,6 +174,23 @@ class ProcessEngineClient(StreamingClient):
         except BaseException as exc:  # noqa: BLE001 - every waiting consumer must hear of it
             logger.error("deepinfer engine process failed:\n%s", exc)
             self._die(exc)
+
+    def _client_detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> Any:
+        if params.stop:  # stop strings end the request in the engine: its text is decoded there
+            return None
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens, None,
+                                      params.include_stop_str_in_output)
+
+    def _detokenize(self, deltas: list[StreamDelta]) -> None:
+        """The text of deltas the engine sent as ids only (decoded here, off the engine's step)."""
+        for d in deltas:
+            stream = self._streams.get(d.request_id)
+            detok = stream.detok if stream is not None else None
+            if detok is None:
+                continue
+            d.text = detok.update(d.token_ids) if d.token_ids else ""
+            if d.finished:
+                d.text += detok.finish()
 
     def _die(self, exc: BaseException) -> None:
         self._error = exc
@@ -234,9 +259,10 @@ def _engine_main(conn: Any, engine_kwargs: dict[str, Any]) -> None:
                     admitter.submit(admit, *payload)
                 elif kind == "add":
                     adds += 1
-                    request_id, ids, params, prompt = payload
+                    request_id, ids, params, prompt, stream_text = payload
                     try:
-                        core.add_request(request_id, ids, params, prompt=prompt, stream=True)
+                        core.add_request(request_id, ids, params, prompt=prompt, stream=True,
+                                         stream_text=stream_text)
                     except (DeepInferError, ValueError) as exc:  # a late refusal ends this request only
                         refused.append((request_id, str(exc)))
                 else:
