@@ -2,20 +2,26 @@
 ``max_model_len`` (65,536) and with 1M, each fresh and again after other traffic, through
 ``LLM.generate`` (random bf16 weights at `mini` widths, one model in memory for both engines).
 
-Per engine: a greedy check of the compiled path against the reference path first; then the
-grid. A cell (batch b, context c) primes a shared prefix of c - 32 tokens (rounded down to a
-block) once, then runs b requests of that prefix plus 32 tokens of their own twice (different
-tails, prefix-cache hits on the shared part: the contexts are real for attention, the
-prefill is cheap), ``--new`` tokens each: the first call is the cell's first generate, the
-second its steady state. Reported per cell: decode tok/s and step ms (from the requests'
-first-token -> finished times), the first call's wall over the second's. A cell is flagged
-when its step time is > 1.5x its row's trend (a least-squares line of log step time over
-log context through the row's other cells), or > 1.5x the same cell on the other engine or
-fresh state. Also recorded: the decode graph set (shapes, captures after start, eager /
-uncaptured steps) and its memory (bound accounted before the KV cache was sized against
-what the warm-up measured).
+Per engine: the greedy tokens of fixed prompts (prefix caching off while they run), fresh
+and again once warmed, which must be identical on every engine and state (the compiled
+path against itself: in bf16 with random weights the reference path flips near-ties, so
+the compiled-vs-reference numerics are fastpath_bench.py's per-layer study); then the grid.
+A cell (batch b, context c) primes a shared prefix of c - 32 tokens (rounded down to a
+block) once, then runs b requests of that prefix plus tokens of their own twice (different
+tails, prefix-cache hits on the shared part), ``--new`` tokens each: the first call is the
+cell's first generate, the second its steady state. Cells with b * c above
+``--max-cell-tokens`` are left out (their prefill dominates the run's time). Per cell:
+decode tok/s and step ms (the requests' first-token -> finished times), the first call's
+wall over the second's, and the steady call's probes: the device time of one replay of the
+step's graph, host time per step outside device waits, allocator retries / device mallocs,
+GC time, Triton compiles. Analysis (decode_grid_analysis.py): cliffs against each row's
+affine trend and against the same cell on the other engine / fresh, and a diagnosis of
+each warmed cell slower than fresh, with the slowest re-run after ``empty_cache`` and
+``gc.collect`` (which of them, if any, gives the fresh time back). Also recorded: the decode
+graph set (shapes, captures after start) and its memory (accounted by the memory profile
+before the KV cache was sized vs what the warm-up measured).
 
-    python3 profiling/decode_grid.py [--out DIR] [--budget-s 420] [--tiny]   # --tiny: CPU stand-in
+    python3 profiling/decode_grid.py [--out DIR] [--budget-s 150] [--tiny]   # --tiny: CPU stand-in
 """
 
 from __future__ import annotations
@@ -23,54 +29,131 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import sys
 import tempfile
 import time
+from collections import Counter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
+from decode_grid_analysis import analyse, trend_flags  # noqa: E402,F401  (trend_flags: tests)
 from fastpath_bench import PrebuiltLLM, build, commit, sync  # noqa: E402
 from fastpath_check import token_ids  # noqa: E402
 
 from deepinfer import SamplingParams  # noqa: E402
-from deepinfer.engine.memory_profile import decode_graph_memory  # noqa: E402
 from deepinfer.models.tiny import mini_config, tiny_config  # noqa: E402
 
-TAIL = 32  # tokens of its own per request
-SLOW = 1.5  # a cell this much slower than its trend / its twin is flagged
+TAIL = 32  # tokens of its own per request (at least; the prefix is whole blocks)
+REMEDY_MAX_TOKENS = 1 << 20  # the remedies re-run the worst warmed cell only when it is this cheap
 
 
-def trend_flags(xs: list[float], ys: list[float], limit: float = SLOW) -> list[float | None]:
-    """For each point, y over the trend of the others (a least-squares line of log y over
-    log x through them); None where fewer than two others exist. A cliff is a ratio > limit."""
-    out: list[float | None] = []
-    for i in range(len(xs)):
-        pts = [(math.log(x), math.log(y)) for j, (x, y) in enumerate(zip(xs, ys)) if j != i and y > 0]
-        if len(pts) < 2 or ys[i] <= 0:
-            out.append(None)
-            continue
-        mx, my = sum(p[0] for p in pts) / len(pts), sum(p[1] for p in pts) / len(pts)
-        var = sum((p[0] - mx) ** 2 for p in pts)
-        slope = sum((p[0] - mx) * (p[1] - my) for p in pts) / var if var > 0 else 0.0
-        out.append(round(ys[i] / math.exp(my + slope * (math.log(xs[i]) - mx)), 3))
-    return out
+class Probe:
+    """Host / device counters around one generate call: GC time and collections, CUDA
+    allocator retries and device (de)allocations, the async loop's steps and host seconds
+    blocked on results, Triton compiles (kernel names), decode graph replays per shape."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def __enter__(self) -> Probe:
+        self.gc_s, self._t, self.compiles = 0.0, 0.0, []
+        gc.callbacks.append(self._gc)
+        self._hook = _set_compile_hook(self.compiles.append)
+        self.mem0 = _alloc_counters()
+        loop = getattr(self.llm, "async_loop", None)
+        self.loop0 = (loop.stats.steps, loop.stats.wait_s) if loop is not None else None
+        fast = self.llm.runner.fast
+        self.replays0 = Counter(fast.graphs.replays) if fast is not None else Counter()
+        return self
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._t
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._gc)
+        _set_compile_hook(self._hook, restore=True)
+        mem1, loop = _alloc_counters(), getattr(self.llm, "async_loop", None)
+        self.alloc = {k: mem1[k] - self.mem0[k] for k in mem1} if mem1 and self.mem0 else {}
+        self.steps = self.wait_s = None
+        if loop is not None and self.loop0 is not None:
+            self.steps, self.wait_s = loop.stats.steps - self.loop0[0], loop.stats.wait_s - self.loop0[1]
+        fast = self.llm.runner.fast
+        self.replays = (Counter(fast.graphs.replays) - self.replays0) if fast is not None else Counter()
+
+    def summary(self, wall: float) -> dict:
+        steps = self.steps or 0
+        out = {"gc_ms": round(self.gc_s * 1e3, 3), "compiles": len(self.compiles),
+               "compiled": sorted(set(self.compiles))[:12], "steps": steps,
+               "alloc_retries": self.alloc.get("num_alloc_retries"), "device_mallocs": self.alloc.get("num_device_alloc"),
+               "device_frees": self.alloc.get("num_device_free"), "graph_keys": [list(k) for k, _ in
+                                                                               self.replays.most_common(2)]}
+        if steps:
+            out["wait_ms_per_step"] = round(self.wait_s * 1e3 / steps, 4)
+            out["host_busy_ms_per_step"] = round((wall - self.wait_s) * 1e3 / steps, 4)
+        return out
 
 
-def _generate(llm, prompts, new: int) -> tuple[float, float]:
-    """(wall s of the call, decode step s from the requests' first-token -> finished times)."""
+def _alloc_counters() -> dict:
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+
+
+def _set_compile_hook(record, restore: bool = False):
+    """Install ``record(kernel name)`` as Triton's post-compile hook (returns the previous
+    hook); with ``restore``, put ``record`` (a previous hook) back. None where this Triton
+    has no such hook."""
+    try:
+        from triton import knobs
+    except Exception:  # no triton, or one without knobs: compiles are not counted
+        return None
+    previous = knobs.runtime.jit_post_compile_hook
+    if restore:
+        knobs.runtime.jit_post_compile_hook = record
+        return previous
+    knobs.runtime.jit_post_compile_hook = lambda *a, **k: record(getattr(k.get("fn"), "name", "?"))
+    return previous
+
+
+def _generate(llm, prompts, new: int, probe: bool = False) -> tuple[float, float, dict | None]:
+    """(wall s of the call, decode step s from the requests' first-token -> finished times,
+    the call's :class:`Probe` summary when asked)."""
     sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     sync()
-    t = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
-    sync()
-    wall = time.perf_counter() - t
+    with Probe(llm) as p:
+        t = time.perf_counter()
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+        sync()
+        wall = time.perf_counter() - t
     decode = max(o.metrics.finished_time for o in outs) - max(o.metrics.first_token_time for o in outs)
-    return wall, decode / max(new - 1, 1)
+    return wall, decode / max(new - 1, 1), p.summary(wall) if probe else None
+
+
+def graph_gpu_ms(llm, key: list | None, reps: int = 10) -> float | None:
+    """Device ms of one replay of the decode graph ``key`` on the inputs its last step left
+    in its buffer (a decode step rewrites what it wrote: nothing else changes); None off CUDA."""
+    fast = llm.runner.fast
+    if key is None or fast is None or not torch.cuda.is_available():
+        return None
+    entry = fast._graphs.get(tuple(key))
+    if entry is None:
+        return None
+    sync()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        entry[0].replay()
+    end.record()
+    end.synchronize()
+    return round(start.elapsed_time(end) / reps, 4)
 
 
 def run_cell(llm, batch: int, ctx: int, new: int, seed: int) -> dict:
@@ -82,14 +165,16 @@ def run_cell(llm, batch: int, ctx: int, new: int, seed: int) -> dict:
     runs = []
     for rep in range(2):
         prompts = [prefix + token_ids(seed * 1000 + rep * 500 + i, tail, vocab) for i in range(batch)]
-        runs.append(_generate(llm, prompts, new))
-    (wall0, _), (wall1, step1) = runs
+        runs.append(_generate(llm, prompts, new, probe=rep == 1))
+    (wall0, _, _), (wall1, step1, diag) = runs
+    keys = diag.get("graph_keys") or [None]
+    diag["graph_gpu_ms"] = graph_gpu_ms(llm, keys[0])
     return {"batch": batch, "context": ctx, "tok_s": round(batch / step1, 1), "step_ms": round(step1 * 1e3, 3),
             "first_call_s": round(wall0, 3), "steady_call_s": round(wall1, 3),
-            "first_over_steady": round(wall0 / wall1, 3)}
+            "first_over_steady": round(wall0 / wall1, 3), "diag": diag}
 
 
-def other_traffic(llm, long_len: int, seed: int = 99) -> dict:
+def other_traffic(llm, long_len: int, mixed: int = 48, seed: int = 99) -> dict:
     """Serving that is not the grid: one long prompt, then a mixed batch (sampled, top
     log-probs, prompts of many lengths)."""
     vocab = llm.model_config.vocab_size
@@ -97,71 +182,97 @@ def other_traffic(llm, long_len: int, seed: int = 99) -> dict:
     llm.generate(prompt_token_ids=[token_ids(seed, long_len, vocab)],
                  sampling_params=SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     cap = min(3000, llm.config.max_model_len - 64)
-    prompts = [token_ids(seed + i, 5 + 97 * i % cap, vocab) for i in range(48)]
+    prompts = [token_ids(seed + i, 5 + 97 * i % cap, vocab) for i in range(mixed)]
     params = [SamplingParams(temperature=0.8 if i % 2 else 0, top_p=0.9, top_logprobs=i % 3, seq_seed=i,
-                             max_tokens=4 + i % 29, ignore_eos=True) for i in range(48)]
+                             max_tokens=4 + i % 29, ignore_eos=True) for i in range(mixed)]
     llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     sync()
     return {"long_prompt": long_len, "mixed_requests": len(prompts), "s": round(time.perf_counter() - t, 1)}
 
 
-def greedy_check(llm, new: int) -> dict:
-    """Greedy tokens of the compiled path against the reference path on the same engine."""
+def greedy_tokens(llm, new: int, limit: int) -> list[list[int]]:
+    """Greedy tokens of fixed prompts (one batch; those that fit ``limit``, the smallest
+    engine's max_model_len) with prefix caching off: what they compute depends on nothing
+    the engine served before, so every engine and state must agree."""
     vocab = llm.model_config.vocab_size
-    prompts = [token_ids(77 + i, n, vocab) for i, n in enumerate((5, 300))]
+    prompts = [token_ids(77 + i, n, vocab) for i, n in enumerate((5, 300, 1000)) if n + new < limit]
     sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    fast = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)]
-    saved = llm.runner.fast, llm.runner.fast_prefill
-    llm.runner.fast = llm.runner.fast_prefill = None
+    kv = llm.kv_manager
+    kv.enable_prefix_caching = False
     try:
-        ref = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)]
+        return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)]
     finally:
-        llm.runner.fast, llm.runner.fast_prefill = saved
-    agree = [next((i for i, (a, b) in enumerate(zip(f, r)) if a != b), len(f)) for f, r in zip(fast, ref)]
-    return {"tokens": new, "agree_prefix": agree, "exact": all(a == new for a in agree)}
+        kv.enable_prefix_caching = True
 
 
-def graph_report(llm, accounted: dict) -> dict:
-    fast = llm.runner.fast
+def graph_report(llm) -> dict:
+    fast, prof = llm.runner.fast, llm.memory_profile
     if fast is None:
         return {"fast_path": False}
+    mem = prof.graph if prof is not None else None
     return {"shapes": len(fast.warmed), "largest": list(fast.warmed[0]) if fast.warmed else None,
             "sealed": fast.graphs.sealed, "stats": fast.stats, "measured_bytes": fast.graph_bytes,
-            "accounted_bytes": accounted.get("bytes"), "kept_free_bytes": llm.step_peak_bytes,
-            "kv_blocks": dict(llm.kv_cache.num_blocks)}
+            "accounted_bytes": prof.graph_bytes if prof is not None else None,
+            "probe_left_bytes": mem.left_bytes if mem is not None else None,
+            "probe_eager_peak_bytes": mem.eager_peak_bytes if mem is not None else None,
+            "kept_free_bytes": llm.step_peak_bytes, "kv_blocks": dict(llm.kv_cache.num_blocks)}
 
 
-def run_engine(model, cfg_dir: str, max_model_len: int, args, budget_end: float) -> dict:
+def remedies(llm, fresh: list[dict], warmed: list[dict], new: int) -> dict | None:
+    """The warmed cell slowest against fresh (among cheap ones) run again as is, after
+    ``torch.cuda.empty_cache()`` and after ``gc.collect()``: which one, if any, gives the
+    fresh step time back names what the warmed state carries."""
+    pairs = [(w["step_ms"] / f["step_ms"], f, w) for f in fresh for w in warmed
+             if "step_ms" in f and "step_ms" in w and (f["batch"], f["context"]) == (w["batch"], w["context"])
+             and f["batch"] * f["context"] <= REMEDY_MAX_TOKENS]
+    if not pairs:
+        return None
+    ratio, f, w = max(pairs, key=lambda p: p[0])
+    out = {"batch": f["batch"], "context": f["context"], "fresh_step_ms": f["step_ms"], "warmed_step_ms": w["step_ms"]}
+    for name, act in (("again", lambda: None), ("after_empty_cache", torch.cuda.empty_cache if torch.cuda.is_available()
+                                                else (lambda: None)), ("after_gc_collect", gc.collect)):
+        act()
+        out[name] = run_cell(llm, f["batch"], f["context"], new, seed=f["context"] + f["batch"])["step_ms"]
+    return out
+
+
+def run_engine(model, cfg_dir: str, max_model_len: int, args, budget_end: float, reference: list | None) -> dict:
     t = time.time()
     llm = PrebuiltLLM(model, cfg_dir, dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=max(args.batches))
     res: dict = {"max_model_len": max_model_len, "init_s": round(time.time() - t, 1)}
     captures_at_start = llm.runner.fast.stats["captures"] if llm.runner.fast else 0
     # the first generate after start against the same call again (other prompts of the same shape)
     vocab = llm.model_config.vocab_size
-    calls = [_generate(llm, [token_ids(seed + i, 100, vocab) for i in range(8)], args.new) for seed in (11, 12)]
-    res["first_generate"] = {"batch": 8, "prompt": 100, "first_s": round(calls[0][0], 3),
-                             "steady_s": round(calls[1][0], 3), "ratio": round(calls[0][0] / calls[1][0], 3)}
-    try:  # what the engine accounted for its graphs before sizing the cache (the same probe again)
-        graph, bound = decode_graph_memory(llm.model, llm.config, llm.device)
-        res["graph_accounted"] = {"bytes": bound, "probe_pool_bytes": graph.pool_bytes if graph else None,
-                                  "probe_eager_peak_bytes": graph.eager_peak_bytes if graph else None}
-    except Exception as exc:  # recorded (e.g. no memory left for the probe next to the cache)
-        res["graph_accounted"] = {"error": repr(exc)}
-    res["check"] = greedy_check(llm, args.check_tokens)
+    calls = [_generate(llm, [token_ids(seed + i, args.first_prompt, vocab) for i in range(8)], args.new, probe=True)
+             for seed in (11, 12)]
+    res["first_generate"] = {"batch": 8, "prompt": args.first_prompt, "first_s": round(calls[0][0], 3),
+                             "steady_s": round(calls[1][0], 3), "ratio": round(calls[0][0] / calls[1][0], 3),
+                             "first_probe": calls[0][2], "steady_probe": calls[1][2]}
+    tokens = {"fresh": greedy_tokens(llm, args.check_tokens, min(args.lens))}
     contexts = [c for c in args.contexts if c + args.new + 1 <= max_model_len]
     for state in ("fresh", "warmed"):
         if state == "warmed":
-            res["other_traffic"] = other_traffic(llm, min(args.long, max_model_len - 64))
+            res["other_traffic"] = other_traffic(llm, min(args.long, max_model_len - 64), args.mixed)
         cells = []
         for ctx in contexts:
             for b in args.batches:
+                if b * ctx > args.max_cell_tokens:
+                    continue
                 if time.time() > budget_end:
                     cells.append({"batch": b, "context": ctx, "skipped": "time budget"})
                     continue
                 cells.append(run_cell(llm, b, ctx, args.new, seed=ctx + b))
         res[state] = cells
-    res["graphs"] = graph_report(llm, res["graph_accounted"])
+    if time.time() < budget_end:
+        res["remedies"] = remedies(llm, res["fresh"], res["warmed"], args.new)
+    tokens["warmed"] = greedy_tokens(llm, args.check_tokens, min(args.lens))
+    reference = reference or tokens["fresh"]
+    res["check"] = {"tokens": args.check_tokens, "equal": all(t == reference for t in tokens.values()),
+                    "agree_prefix": {s: [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+                                         for x, y in zip(t, reference)] for s, t in tokens.items()}}
+    res["graphs"] = graph_report(llm)
     res["graphs"]["captures_after_start"] = res["graphs"].get("stats", {}).get("captures", 0) - captures_at_start
+    res["_tokens"] = reference
     fast = llm.runner.fast
     if fast is not None:
         fast.graphs.release()
@@ -175,51 +286,6 @@ def run_engine(model, cfg_dir: str, max_model_len: int, args, budget_end: float)
     return res
 
 
-def analyse(engines: dict) -> tuple[list[dict], list[dict]]:
-    """(flagged cells, targets)."""
-    flags, firsts, twins = [], [], []
-    for name, eng in engines.items():
-        for state in ("fresh", "warmed"):
-            cells = [c for c in eng.get(state, []) if "step_ms" in c]
-            for b in sorted({c["batch"] for c in cells}):
-                row = sorted((c for c in cells if c["batch"] == b), key=lambda c: c["context"])
-                ratios = trend_flags([c["context"] for c in row], [c["step_ms"] for c in row])
-                for c, r in zip(row, ratios):
-                    c["over_row_trend"] = r
-                    if r is not None and r > SLOW:
-                        flags.append({"engine": name, "state": state, "why": "row trend", **c})
-            firsts += [c["first_over_steady"] for c in cells]
-    # the same cell on the other engine / the other state
-    index = {(n, s, c["batch"], c["context"]): c for n, e in engines.items() for s in ("fresh", "warmed")
-             for c in e.get(s, []) if "step_ms" in c}
-    for (n, s, b, ctx), c in index.items():
-        for other in [(m, s, b, ctx) for m in engines if m != n] + [(n, "fresh", b, ctx)] * (s == "warmed"):
-            if other in index:
-                r = c["step_ms"] / index[other]["step_ms"]
-                twins.append(r)
-                if r > SLOW:
-                    flags.append({"engine": n, "state": s, "why": f"vs {other[0]} {other[1]}", "ratio": round(r, 3),
-                                  **c})
-    first_call = [e["first_generate"]["ratio"] for e in engines.values() if "first_generate" in e]
-    mem = [e["graphs"]["measured_bytes"] / e["graphs"]["accounted_bytes"] for e in engines.values()
-           if e.get("graphs", {}).get("measured_bytes") and e["graphs"].get("accounted_bytes")]
-    rows = [("cells slower than 1.5x their row trend or twin", len(flags), 0, len(flags) == 0),
-            ("worst step-time ratio vs the same cell on the other engine / fresh", max(twins, default=float("nan")),
-             SLOW, bool(twins) and max(twins) <= SLOW),
-            ("first generate after start / steady state", max(first_call, default=float("nan")), 1.1,
-             bool(first_call) and max(first_call) <= 1.1),
-            ("worst first / steady call of any cell", max(firsts, default=float("nan")), 1.1,
-             bool(firsts) and max(firsts) <= 1.1),
-            ("graph captures after start", sum(e.get("graphs", {}).get("captures_after_start", 0)
-                                               for e in engines.values()), 0, None),
-            ("graph memory measured / accounted", max(mem, default=float("nan")), 1.0, bool(mem) and max(mem) <= 1.0),
-            ("greedy check exact on every engine", float(all(e.get("check", {}).get("exact") for e in engines.values())),
-             1.0, all(e.get("check", {}).get("exact") for e in engines.values()))]
-    targets = [{"name": n, "value": round(v, 3) if isinstance(v, float) else v, "target": t,
-                "met": m if m is not None else v == t} for n, v, t, m in rows]
-    return flags, targets
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
@@ -227,15 +293,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--contexts", default="128,2048,16384,131072")
     ap.add_argument("--max-model-lens", default="65536,1048576")
+    ap.add_argument("--max-cell-tokens", type=int, default=256 * 16384,
+                    help="cells with batch x context above this are left out (prefill-bound)")
     ap.add_argument("--new", type=int, default=16, help="tokens per request and cell")
     ap.add_argument("--long", type=int, default=131072, help="the other traffic's long prompt")
+    ap.add_argument("--mixed", type=int, default=48, help="the other traffic's mixed requests")
+    ap.add_argument("--first-prompt", type=int, default=100, help="prompt tokens of the first generate's 8 requests")
     ap.add_argument("--check-tokens", type=int, default=16)
-    ap.add_argument("--budget-s", type=float, default=420, help="cells after this much wall time are skipped")
+    ap.add_argument("--budget-s", type=float, default=140, help="cells after this much wall time are skipped")
     args = ap.parse_args(argv)
     start = time.time()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.contexts = [int(c) for c in args.contexts.split(",")]
-    lens = [int(n) for n in args.max_model_lens.split(",")]
+    lens = args.lens = [int(n) for n in args.max_model_lens.split(",")]
     if args.tiny:
         cfg = tiny_config(vocab_size=512, sliding_window=32, index_topk=4, max_position_embeddings=max(lens))
     else:
@@ -249,10 +319,12 @@ def main(argv: list[str] | None = None) -> dict:
     out: dict = {"commit": os.environ.get("DEEPINFER_COMMIT") or commit(), "hardware": hw,
                  "torch": torch.__version__, "config": cfg.to_official_json(), "args": vars(args) | {"out": None},
                  "engines": {}}
+    reference = None
     for i, n in enumerate(lens):  # the budget is shared: the first engine keeps its share for the second
         share = start + args.budget_s * (i + 1) / len(lens)
-        out["engines"][f"max_model_len={n}"] = run_engine(model, cfg_dir, n, args, share)
-    out["flags"], out["targets"] = analyse(out["engines"])
+        eng = out["engines"][f"max_model_len={n}"] = run_engine(model, cfg_dir, n, args, share, reference)
+        reference = eng.pop("_tokens")
+    out["flags"], out["targets"], out["diagnoses"] = analyse(out["engines"])
     out["wall_s"] = round(time.time() - start, 1)
     os.makedirs(args.out, exist_ok=True)
     tag = "h200" if "H200" in hw else ("cpu" if hw == "cpu" else hw.replace(" ", "_").lower())
@@ -266,6 +338,8 @@ def main(argv: list[str] | None = None) -> dict:
                 cells = {c["context"]: c for c in eng.get(state, []) if c["batch"] == b and "tok_s" in c}
                 print(f"  b{b:<4}" + "".join(f"{cells[c]['tok_s']:>10.0f}" if c in cells else f"{'-':>10}"
                                            for c in args.contexts))
+    for d in out["diagnoses"]:
+        print(f"warmed b{d['batch']} ctx{d['context']} on {d['engine']}: {d['step_ratio']}x fresh; {d['verdict']}")
     for t in out["targets"]:
         print(f"{'ok ' if t['met'] else 'MISS'} {t['name']}: {t['value']} (target {t['target']})")
     print(path)

@@ -195,23 +195,6 @@ def test_a_step_wider_than_the_largest_bucket_runs_eagerly_without_a_capture(v4_
         assert all(math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-4) for x, y in zip(a.logprobs, b.logprobs))
 
 
-def test_decode_grid_flags_a_cell_off_its_rows_trend():
-    """profiling/decode_grid.py's cliff rule: a cell's step time over the log-log line through
-    the row's other cells; a smooth row stays near 1, a cliff stands out."""
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiling"))
-    from decode_grid import trend_flags
-
-    ctx = [128, 2048, 16384, 131072]
-    smooth = [1.0 * (c / 128) ** 0.1 for c in ctx]
-    assert all(abs(r - 1) < 1e-6 for r in trend_flags(ctx, smooth))
-    cliff = smooth[:2] + [smooth[2] * 3] + smooth[3:]
-    ratios = trend_flags(ctx, cliff)
-    assert ratios[2] > 2.5 and max(ratios[:2] + ratios[3:]) < 1.5
-    assert trend_flags([128, 2048], [1.0, 1.1]) == [None, None]  # a row of two has no trend
-
-
 @pytest.mark.parametrize("fast_prefill,max_model_len,ran", [("ref", 512, 4), ("ref", 160, 3), ("0", 512, 0)])
 def test_prefill_step_kinds_warm_on_the_engines_prefill_path(monkeypatch, fast_prefill, max_model_len, ran):
     """The start-up compile warm-up runs each prefill kind the limits allow (one-token prompt,
