@@ -161,6 +161,9 @@ _DECLARED: tuple[EnvVar, ...] = (
     EnvVar("DEEPINFER_SPEC_STEP_CURVE", "path", _path, None,
            "path: a spec_step_curve_*.json file or a directory of them for the confidence-scheduled verify "
            "budget (default unset = profile at start-up; the engine never reads profiling/results itself)"),
+    EnvVar("DEEPINFER_SPEC_STEP_CURVE_CACHE", "bool", _bool, True,
+           "0|1|true|false (default 1): cache the start-up step-time curve under DEEPINFER_CACHE_DIR/step_curves "
+           "per hardware + model config + dtype + draft length (0: profile every start, write nothing)"),
     # ---- parallel engine (REFERENCE names DeepInfer's EPLB knobs, not their variables) ----
     EnvVar("DEEPINFER_EPLB_NUM_REDUNDANT_EXPERTS", "int", _int(0), 0,
            "int >= 0: redundant expert slots per MoE layer (padded so routed + redundant divides by the EP "

@@ -109,7 +109,7 @@ def test_profiling_script_writes_a_curve_this_engine_finds(tmp_path):
     assert found is not None and found[0].tokens == [1, 2, 4]
 
 
-def test_engine_never_reads_result_files_unless_configured(ckpt, monkeypatch):
+def test_engine_never_reads_result_files_unless_configured(ckpt, monkeypatch, tmp_path):
     """Without DEEPINFER_SPEC_STEP_CURVE the curve is measured at start-up: the engine does not
     look for files (profiling/results holds records of past runs, not inputs)."""
     import deepinfer.spec.step_curve as step_curve
@@ -118,6 +118,54 @@ def test_engine_never_reads_result_files_unless_configured(ckpt, monkeypatch):
         raise AssertionError(f"the engine looked for a curve file: {args}")
 
     monkeypatch.delenv(ENV_CURVE, raising=False)
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))  # no cached start-up curve from another test
     monkeypatch.setattr(step_curve, "find_measured_curve", tripwire)
     llm = make_llm(ckpt, num_speculative_tokens=3, enable_mtp_varlen=True, max_num_seqs=4)
     assert llm.runner.spec.curve_source == "profiled"
+
+
+def test_monotone_raises_noise_dips_to_the_running_max():
+    from deepinfer.spec.step_curve import monotone
+
+    c = monotone(StepTimeCurve([1, 2, 4, 8], [3.0, 2.0, 5.0, 4.0]))
+    assert c.tokens == [1, 2, 4, 8] and c.seconds == [3.0, 3.0, 5.0, 5.0]
+
+
+def test_startup_curve_is_cached_per_hardware_and_model_and_reloaded(ckpt, monkeypatch, tmp_path):
+    """The start-up profile lands in <DEEPINFER_CACHE_DIR>/step_curves keyed by hardware, the
+    model config's hash, dtype, draft length, largest step and executor; the next engine of
+    the same model reloads it; ``profile`` re-profiles; a corrupt file is re-profiled; another
+    key (draft length, largest step) is another file; ``..._CACHE=0`` neither reads nor writes."""
+    from deepinfer.spec import step_curve as sc
+
+    monkeypatch.delenv(ENV_CURVE, raising=False)
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
+    first = make_llm(ckpt, num_speculative_tokens=3, enable_mtp_varlen=True, max_num_seqs=4)
+    assert first.runner.spec.curve_source == "profiled"
+    files = list((tmp_path / "step_curves").glob("step_curve_*.json"))
+    assert len(files) == 1
+    data = json.loads(files[0].read_text())
+    key = data["key"]
+    assert key == sc.cache_key(first, 16) and key["hardware"] == sc.hardware_key(first.device)
+    assert key["num_speculative_tokens"] == 3 and key["dtype"] == "float32" and "commit" not in json.dumps(key)
+    base = first.runner.spec.curve.base
+    assert data["tokens"] == base.tokens == [1, 2, 4, 8, 16] and data["seconds"] == base.seconds
+    assert base.seconds == sorted(base.seconds)  # non-decreasing
+    raw = data["raw_seconds"]
+    assert all(x > 0 for x in raw) and raw[-1] >= 0.5 * raw[0]  # monotone-ish before the running max
+    curve, source = sc.curve_for_engine(first)  # same engine, same key: the cached curve
+    assert source == f"cached:{files[0]}" and curve.base.tokens == base.tokens and curve.base.seconds == base.seconds
+    second = make_llm(ckpt, num_speculative_tokens=3, enable_mtp_varlen=True, max_num_seqs=4)  # a new engine
+    assert second.runner.spec.curve_source == f"cached:{files[0]}"
+    assert second.runner.spec.curve.base.seconds == base.seconds
+    assert sc.cache_path(sc.cache_key(first, 8)) != files[0]  # another largest step: another file
+    monkeypatch.setenv(ENV_CURVE, "profile")
+    assert sc.curve_for_engine(first)[1] == "profiled"
+    monkeypatch.delenv(ENV_CURVE)
+    files[0].write_text("{not json")
+    assert sc.curve_for_engine(first)[1] == "profiled"  # unreadable: profiled again and rewritten
+    assert sc.curve_for_engine(first)[1] == f"cached:{files[0]}"
+    monkeypatch.setenv(sc.CACHE_ENV, "0")
+    files[0].unlink()
+    assert sc.curve_for_engine(first)[1] == "profiled"
+    assert not files[0].exists()

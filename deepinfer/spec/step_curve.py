@@ -11,7 +11,16 @@ In order (`curve_for_engine`, called by `deepinfer.spec.setup` when
    when someone commits a result file;
 2. else (unset, ``profile``, or no match) a curve profiled at start-up: a few verify-shaped
    steps of the model (forward + logits + sampler) at total sizes 1, 2, 4, ... up to the
-   largest step the engine can plan, timed with host clocks after a device sync;
+   largest step the engine can plan, timed with host clocks after a device sync, made
+   non-decreasing (a point below a smaller size's is timing noise: no bigger step costs
+   less, and an inverted curve would make the scheduler buy rows for nothing);
+   the profile is cached (`load_cached_curve` / `save_cached_curve`) as a small JSON under
+   ``<DEEPINFER_CACHE_DIR>/step_curves/``, keyed by the device's name, a hash of the model's
+   whole config, the dtype and what shapes the profile (draft length, largest step, the
+   executor), not by commit: the next engine of the same model on the same hardware
+   reloads it instead of profiling (unset ``DEEPINFER_SPEC_STEP_CURVE``; ``profile`` always
+   profiles and refreshes the cache; ``DEEPINFER_SPEC_STEP_CURVE_CACHE=0`` neither reads
+   nor writes it);
 3. either way wrapped in `OnlineStepTimeCurve`, which replaces a size's value by the
    running median of the verify steps the engine actually ran at that size, and scales
    sizes not seen yet by the median ratio observed / predicted (REFERENCE.md section 8).
@@ -24,7 +33,9 @@ later request reads it.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import glob
+import hashlib
 import json
 import os
 import statistics
@@ -34,11 +45,13 @@ from pathlib import Path
 
 import torch
 
-from deepinfer import envs
+from deepinfer import batch_invariant, envs
 
 from .scheduling import StepTimeCurve
 
 ENV_CURVE = "DEEPINFER_SPEC_STEP_CURVE"  # declared in deepinfer/envs.py
+CACHE_ENV = "DEEPINFER_SPEC_STEP_CURVE_CACHE"  # declared in deepinfer/envs.py: 0 = no start-up curve cache
+CACHE_VERSION = 1  # bump when the profile's method changes: older cached curves are then ignored
 SIGNATURE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
                   "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "vocab_size")
 
@@ -165,9 +178,73 @@ def profile_step_curve(llm, max_tokens: int, repeats: int = 2, budget_s: float =
     return StepTimeCurve(tokens, seconds)
 
 
+def monotone(curve: StepTimeCurve) -> StepTimeCurve:
+    """``curve`` with every point raised to the largest of the smaller sizes' (running max)."""
+    out, top = [], 0.0
+    for sec in curve.seconds:
+        top = max(top, sec)
+        out.append(top)
+    return StepTimeCurve(list(curve.tokens), out, curve.sampler_seconds)
+
+
+def config_hash(cfg) -> str:
+    """sha256 of the model config's fields (paths left out: a moved checkpoint is the same model)."""
+    fields = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(vars(cfg))
+    kept = {k: v for k, v in fields.items() if not k.startswith("_") and "path" not in k and "dir" not in k}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def cache_key(llm, max_tokens: int) -> dict:
+    """What a cached start-up curve must match (no commit: a rebuild does not re-profile)."""
+    fast = getattr(llm.runner, "fast", None)
+    executor = ("compiled" + ("+graphs" if fast.graphs_enabled else "")) if fast is not None else "reference"
+    return {"version": CACHE_VERSION, "hardware": hardware_key(llm.device),
+            "model_config_sha256": config_hash(llm.model_config), "dtype": str(llm.model.dtype).split(".")[-1],
+            "num_speculative_tokens": int(llm.config.num_speculative_tokens), "max_tokens": int(max_tokens),
+            "executor": executor + ("+invariant" if batch_invariant.enabled() else "")}
+
+
+def cache_path(key: dict) -> Path:
+    """The cache file of ``key`` under ``<DEEPINFER_CACHE_DIR>/step_curves``."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return Path(envs.get("DEEPINFER_CACHE_DIR")) / "step_curves" / f"step_curve_{digest}.json"
+
+
+def load_cached_curve(key: dict) -> tuple[StepTimeCurve, str] | None:
+    """The cached curve of ``key`` and its path; None when there is none, it is unreadable or
+    it was written for another key (a digest collision or a hand-edited file)."""
+    path = cache_path(key)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") != key:
+            return None
+        tokens, seconds = [int(t) for t in data["tokens"]], [float(x) for x in data["seconds"]]
+        if not tokens or len(tokens) != len(seconds) or not all(x > 0 for x in seconds):
+            return None
+        return StepTimeCurve(tokens, seconds), str(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_cached_curve(key: dict, curve: StepTimeCurve, raw: StepTimeCurve) -> str | None:
+    """Write the curve (and the raw profile it came from) atomically; None when the cache
+    directory is not writable (the engine runs on with its profiled curve)."""
+    path = cache_path(key)
+    record = {"key": key, "tokens": curve.tokens, "seconds": curve.seconds, "raw_seconds": raw.seconds,
+              "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        return None
+    return str(path)
+
+
 def curve_for_engine(llm) -> tuple[OnlineStepTimeCurve, str]:
-    """(the curve the confidence scheduler uses, where its base came from: ``measured:<path>``
-    or ``profiled``); see the module docstring."""
+    """(the curve the confidence scheduler uses, where its base came from: ``measured:<path>``,
+    ``cached:<path>`` or ``profiled``); see the module docstring."""
     where = envs.get(ENV_CURVE)
     if where is not None and where != "profile":
         found = find_measured_curve(hardware_key(llm.device), model_signature(llm.model_config, llm.model.dtype),
@@ -176,4 +253,14 @@ def curve_for_engine(llm) -> tuple[OnlineStepTimeCurve, str]:
             return OnlineStepTimeCurve(found[0]), f"measured:{found[1]}"
     cfg = llm.config
     most = min(cfg.max_num_seqs * (cfg.num_speculative_tokens + 1), cfg.max_num_batched_tokens)
-    return OnlineStepTimeCurve(profile_step_curve(llm, most)), "profiled"
+    use_cache = envs.get(CACHE_ENV)
+    key = cache_key(llm, most) if use_cache else None
+    if key is not None and where != "profile":
+        cached = load_cached_curve(key)
+        if cached is not None:
+            return OnlineStepTimeCurve(cached[0]), f"cached:{cached[1]}"
+    raw = profile_step_curve(llm, most)
+    curve = monotone(raw)
+    if key is not None:
+        save_cached_curve(key, curve, raw)
+    return OnlineStepTimeCurve(curve), "profiled"
