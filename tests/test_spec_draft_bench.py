@@ -26,7 +26,7 @@ def test_spec_draft_bench_tiny(tmp_path, monkeypatch):
     data = json.loads(files[0].read_text())
     assert data["commit"] and data["hardware"] == "cpu" and data["config"]["k"] == 5
     assert {s["batch"] for s in data["steps"]} == {1, 2} and all(s["steps"] > 0 for s in data["steps"])
-    assert all(s["tokens_equal_share"] == 1.0 for s in data["steps"])
+    assert all(s["tokens_equal_share"] == s["tokens_equal_share_all_steps"] == 1.0 for s in data["steps"])
     assert data["graph_stats"]["graph_steps"] > 0
     names = [t["name"] for t in data["targets"]]
     assert len(names) == len(set(names)) >= 4
