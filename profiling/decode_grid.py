@@ -40,7 +40,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
-from decode_grid_analysis import analyse, trend_flags  # noqa: E402,F401  (trend_flags: tests)
+from decode_grid_analysis import analyse  # noqa: E402
 from fastpath_bench import PrebuiltLLM, build, commit, sync  # noqa: E402
 from fastpath_check import token_ids  # noqa: E402
 
@@ -94,10 +94,26 @@ class Probe:
                "alloc_retries": self.alloc.get("num_alloc_retries"), "device_mallocs": self.alloc.get("num_device_alloc"),
                "device_frees": self.alloc.get("num_device_free"), "graph_keys": [list(k) for k, _ in
                                                                                self.replays.most_common(2)]}
+        out.update(_gpu_state())
         if steps:
             out["wait_ms_per_step"] = round(self.wait_s * 1e3 / steps, 4)
             out["host_busy_ms_per_step"] = round((wall - self.wait_s) * 1e3 / steps, 4)
         return out
+
+
+def _gpu_state() -> dict:
+    """SM clock (MHz), temperature (C) and power draw (W) now, where NVML answers (a
+    throttled GPU shows in them); empty otherwise."""
+    if not torch.cuda.is_available():
+        return {}
+    out = {}
+    for key, read in (("sm_clock_mhz", torch.cuda.clock_rate), ("temperature_c", torch.cuda.temperature),
+                      ("power_w", lambda: torch.cuda.power_draw() / 1000)):
+        try:
+            out[key] = round(float(read()), 1)
+        except Exception:  # no pynvml / NVML on this host: not recorded
+            pass
+    return out
 
 
 def _alloc_counters() -> dict:

@@ -205,3 +205,14 @@ def test_prefill_step_kinds_warm_on_the_engines_prefill_path(monkeypatch, fast_p
     monkeypatch.setenv("DEEPINFER_FAST_PREFILL", fast_prefill)
     cfg = EngineConfig(max_model_len=max_model_len, max_num_seqs=16, block_size=128, accelerator="cpu")
     assert warm_prefill_kinds(_model(), cfg, torch.device("cpu")) == ran
+
+
+def test_the_sampler_warms_every_lane_before_the_first_generate():
+    """Every prefill step samples through ``Sampler.sample`` (the decode graphs' greedy lane
+    compiled only the packed reduction): each lane runs once at start on logits of the
+    model's vocabulary; a single row cannot hold a greedy row beside a sampled one."""
+    from deepinfer.engine.prefill_warmup import warm_sampler
+
+    assert warm_sampler(VOCAB, torch.device("cpu")) == ["greedy", "sampled", "top_logprobs"]
+    with pytest.raises(ValueError, match="rows must be >= 2"):
+        warm_sampler(VOCAB, torch.device("cpu"), rows=1)

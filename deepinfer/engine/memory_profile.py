@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.config import EngineConfig
-from deepinfer.engine.prefill_warmup import warm_prefill_kinds
+from deepinfer.engine.prefill_warmup import warm_prefill_kinds, warm_sampler
 from deepinfer.models.fast.decode_graphs import GraphMemory
 from deepinfer.models.kv_cache import ForwardBatch, SeqMeta
 from deepinfer.models.registry import family_of
@@ -73,6 +73,7 @@ def profile_memory(model: torch.nn.Module, config: EngineConfig, device: torch.d
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     warm_prefill_kinds(model, config, device)  # the other prefill kinds' compiles, off the first generate
+    warm_sampler(model.cfg.vocab_size, device)  # and the sampler's (every prefill step samples through it)
     torch.cuda.empty_cache()
     return MemoryProfile(int(peak), graph_bytes, graph)
 

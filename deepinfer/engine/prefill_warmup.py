@@ -1,4 +1,4 @@
-"""Prefill / mixed step compiles moved from the first ``generate()`` to engine start.
+"""Prefill / mixed step compiles (and the sampler's) moved from the first ``generate()`` to engine start.
 
 Triton compiles a kernel once per specialization of its launch: integer arguments equal
 to 1, divisible by 16, or neither are three different binaries (and so are the step's
@@ -10,6 +10,11 @@ waits, which the decode grid (``profiling/decode_grid.py``) reports as the first
 against the steady state. :func:`warm_prefill_kinds` runs such steps once over a
 throwaway cache on the prefill path the engine takes, before the KV cache exists (the
 graphs of pure-decode steps are captured separately, ``FastPath.warmup``).
+
+The sampler of a step that is not an all-greedy graphed decode (every prefill step, mixed
+steps, sampled requests) has kernels of its own: the fused argmax / log-sum-exp reduction
+without the greedy lane's packed output is another binary than the one the decode graphs
+compiled. :func:`warm_sampler` runs each lane of ``Sampler.sample`` once on the device.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from deepinfer.models.registry import family_of
 
 def step_kinds(block_size: int) -> list[tuple[tuple[int, int, bool], ...]]:
     """The step kinds warmed, as (start, length, is_new) per request: one 1-token prompt;
-    three new prompts of odd lengths; the second chunk of a prompt (after one block) beside
-    a decoding request; 16 one-token prompts (a count divisible by 16)."""
+    four new prompts of odd lengths (up to 16 rows and 17..32 rows: the prefill indexer's
+    row tiles of 16 and 32; the second chunk's 33 takes its 64); the second chunk of a
+    prompt (after one block) beside a decoding request; 16 one-token prompts (a count
+    divisible by 16)."""
     return [((0, 1, True),),
-            ((0, 5, True), (0, 11, True), (0, 13, True)),
+            ((0, 5, True), (0, 11, True), (0, 13, True), (0, 21, True)),
             ((block_size, 33, False), (5, 1, False)),
             tuple((0, 1, True) for _ in range(16))]
 
@@ -79,3 +86,28 @@ def warm_prefill_kinds(model: torch.nn.Module, config: EngineConfig, device: tor
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return ran
+
+
+@torch.no_grad()
+def warm_sampler(vocab_size: int, device: torch.device, rows: int = 4) -> list[str]:
+    """Run ``Sampler.sample`` once per lane on throwaway float32 logits [rows, vocab_size]
+    (the vocabulary sets the kernels' row stride): all greedy (the fused reduction, unpacked),
+    greedy beside a sampled top-p / top-k / min-p row, and a row asking for top log-probs;
+    returns the lanes run, in order."""
+    from deepinfer.engine.sampler import Sampler, SamplingTensors
+    from deepinfer.sampling_params import SamplingParams
+
+    if rows < 2:
+        raise ValueError(f"warm_sampler: rows must be >= 2 (a greedy row beside a sampled one), got {rows}")
+    lanes = {"greedy": [SamplingParams(temperature=0, seq_seed=0)] * rows,
+             "sampled": [SamplingParams(temperature=0, seq_seed=0)] * (rows - 1)
+             + [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, seq_seed=1)],
+             "top_logprobs": [SamplingParams(temperature=0, seq_seed=0)] * (rows - 1)
+             + [SamplingParams(temperature=0, top_logprobs=2, seq_seed=2)]}
+    logits = torch.randn(rows, vocab_size, device=device, dtype=torch.float32)
+    sampler = Sampler()
+    for params in lanes.values():
+        sampler.sample(logits, SamplingTensors.from_params(params, list(range(rows)), device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return list(lanes)
