@@ -48,3 +48,53 @@ def test_block_size_checked_against_the_checkpoint_before_loading(block_size) ->
         LLM(block_size=block_size)
     assert time.monotonic() - start < 3, "refused before the weights load"
     assert EngineConfig.from_kwargs(block_size=256).block_size == 256
+
+
+_BAD_TYPED = [("compress_ratios", "0,4", "compress_ratios", "must be a list of integers"),
+              ("compress_ratios", [0, "4"], "compress_ratios", r"compress_ratios\[1\] must be an integer"),
+              ("kv_source_layer_ids", "2", "kv_source_layer_ids", "must be a list of integers"),
+              ("index_source_layer_ids", [None], "index_source_layer_ids", r"\[0\] must be an integer"),
+              ("engram_layer_ids", [1.5], "engram_layer_ids", r"\[0\] must be an integer, got 1.5"),
+              ("candidate_source_layer_id", "1", "candidate_source_layer_id", "must be an integer"),
+              ("dspark_target_layer_ids", "1", "dspark_target_layer_ids", "must be a list"),
+              ("quantization_config", {"weight_block_size": "128"}, "quantization_config.weight_block_size",
+               "must be a list of integers"),
+              ("quantization_config", "fp8", "quantization_config", "must be an object"),
+              ("rope_scaling", "yarn", "rope_scaling", "must be an object or null")]
+
+
+_V4_KEYS = ("compress_ratios", "quantization_config", "rope_scaling")  # the others are V4.1's only
+
+
+@pytest.mark.parametrize("family,key,value,field,match",
+                         [("v41", *case) for case in _BAD_TYPED] + [("v4", *c) for c in _BAD_TYPED if c[0] in _V4_KEYS])
+def test_config_json_values_of_the_wrong_type_name_their_field(family, key, value, field, match) -> None:
+    """Every list / int / object value the family parsers read is type-checked with its key
+    (before, ``compress_ratios: "04"`` became [0, 4] and "0,4" failed in ``int()`` unnamed)."""
+    from deepinfer.models.tiny import tiny_config, tiny_v41_config
+
+    cfg = tiny_config() if family == "v4" else tiny_v41_config()
+    raw = cfg.to_official_json()
+    text = dict(raw["text_config"]) if "text_config" in raw else raw
+    text[key] = value
+    if "text_config" in raw:
+        raw = {**raw, "text_config": text}
+    with pytest.raises(ConfigError, match=match) as info:
+        type(cfg).from_dict(raw)
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize("family", ["v4", "v41"])
+def test_config_flat_v4_rates_and_image_token_named(family) -> None:
+    from deepinfer.models.tiny import tiny_config, tiny_v41_config
+
+    if family == "v4":
+        raw = {**tiny_config().to_official_json(), "compress_rate_csa": "4"}
+        with pytest.raises(ConfigError, match="compress_rate_csa must be an integer") as info:
+            type(tiny_config()).from_dict(raw)
+        assert info.value.field == "compress_rate_csa"
+    else:
+        raw = {**tiny_v41_config().to_official_json(), "image_token_id": "5"}
+        with pytest.raises(ConfigError, match="image_token_id must be an integer") as info:
+            type(tiny_v41_config()).from_dict(raw)
+        assert info.value.field == "image_token_id"

@@ -17,6 +17,7 @@ from typing import Any
 from .config_common import (DeepseekConfigBase, ModelConfigError, common_official_json, copy_plain_fields,
                             dspark_official_json, fail, parse_quantization, parse_rope, read_config_json,
                             validate_common)
+from .config_common import int_list, int_value, str_list
 
 __all__ = ["DeepseekV4Config", "ModelConfigError", "SUPPORTED_MODEL_TYPES", "LAYER_TYPE_TO_RATIO"]
 
@@ -66,17 +67,21 @@ class DeepseekV4Config(DeepseekConfigBase):
                                           "expert_dtype", "model_type"},
                           aliases={"n_hash_layers": "num_hash_layers"})
         rates = raw.get("compress_rates") or {}
-        cfg.csa_ratio = int(raw.get("compress_rate_csa", rates.get("compressed_sparse_attention", cfg.csa_ratio)))
-        cfg.hca_ratio = int(raw.get("compress_rate_hca", rates.get("heavily_compressed_attention", cfg.hca_ratio)))
+        if not isinstance(rates, dict):
+            fail(f"compress_rates must be an object, got {rates!r}", field="compress_rates")
+        cfg.csa_ratio = int_value(raw.get("compress_rate_csa", rates.get("compressed_sparse_attention",
+                                                                          cfg.csa_ratio)), "compress_rate_csa")
+        cfg.hca_ratio = int_value(raw.get("compress_rate_hca", rates.get("heavily_compressed_attention",
+                                                                          cfg.hca_ratio)), "compress_rate_hca")
         n = int(cfg.num_hidden_layers)
         n_mtp = int(cfg.num_nextn_predict_layers or 0)
         if raw.get("compress_ratios") is not None:
-            ratios = [int(r) for r in raw["compress_ratios"]]
+            ratios = int_list(raw["compress_ratios"], "compress_ratios")
             if len(ratios) < n:
                 fail(f"compress_ratios has {len(ratios)} entries but num_hidden_layers={n}", field="compress_ratios")
             cfg.compress_ratios, cfg.mtp_compress_ratios = ratios[:n], ratios[n:]
         elif raw.get("layer_types") is not None:
-            bad = [t for t in raw["layer_types"] if t not in LAYER_TYPE_TO_RATIO]
+            bad = [t for t in str_list(raw["layer_types"], "layer_types") if t not in LAYER_TYPE_TO_RATIO]
             if bad:
                 fail(f"layer_types has unknown entries {bad}; allowed {list(LAYER_TYPE_TO_RATIO)}", field="layer_types")
             mapping = {"sliding_attention": 0, "compressed_sparse_attention": cfg.csa_ratio,
@@ -90,7 +95,7 @@ class DeepseekV4Config(DeepseekConfigBase):
             cfg.mtp_compress_ratios = [0] * n_mtp
         cfg.mtp_compress_ratios = cfg.mtp_compress_ratios[:n_mtp]
         if raw.get("mlp_layer_types") is not None and "num_hash_layers" not in raw:
-            types = list(raw["mlp_layer_types"])
+            types = str_list(raw["mlp_layer_types"], "mlp_layer_types")
             cfg.num_hash_layers = sum(1 for t in types if t == "hash_moe")
             if types != ["hash_moe"] * cfg.num_hash_layers + ["moe"] * (len(types) - cfg.num_hash_layers):
                 fail("mlp_layer_types must be hash_moe layers first, then moe", field="mlp_layer_types")

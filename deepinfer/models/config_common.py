@@ -143,7 +143,10 @@ def copy_plain_fields(cfg: Any, text: dict[str, Any], skip: set[str],
     if isinstance(cfg.eos_token_id, list):
         cfg.eos_token_id = cfg.eos_token_id[0]
     if "qk_rope_head_dim" not in text and text.get("partial_rotary_factor") is not None:
-        cfg.qk_rope_head_dim = int(cfg.head_dim * float(text["partial_rotary_factor"]))
+        factor = text["partial_rotary_factor"]
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+            fail(f"partial_rotary_factor must be a number in (0, 1], got {factor!r}", field="partial_rotary_factor")
+        cfg.qk_rope_head_dim = int(cfg.head_dim * float(factor))
 
 
 def _typed(name: str, default: Any, value: Any) -> Any:
@@ -173,6 +176,31 @@ def _typed(name: str, default: Any, value: Any) -> Any:
     return value
 
 
+def int_value(value: Any, name: str) -> int:
+    """``value`` as an int if it is a JSON integer (``4``, or ``4.0``); else fail naming ``name``
+    (``int("4")`` would take a string, ``int(3.7)`` truncate, ``int(None)`` raise a bare TypeError)."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        fail(f"{name} must be an integer, got {value!r} ({type(value).__name__})", field=name.split("[")[0])
+    return value
+
+
+def int_list(value: Any, name: str) -> list[int]:
+    """``value`` as a list of ints (a JSON array of integers); else fail naming ``name`` and, for
+    a bad element, its index (a string such as ``"0,4"`` is not a list of ratios)."""
+    if not isinstance(value, (list, tuple)):
+        fail(f"{name} must be a list of integers, got {value!r} ({type(value).__name__})", field=name)
+    return [int_value(v, f"{name}[{i}]") for i, v in enumerate(value)]
+
+
+def str_list(value: Any, name: str) -> list[str]:
+    """``value`` as a list of strings; else fail naming ``name``."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        fail(f"{name} must be a list of strings, got {value!r}", field=name)
+    return list(value)
+
+
 def _yarn_scaling(params: dict[str, Any], where: str) -> dict[str, Any]:
     """The frequency parameters of a YaRN dict; its attention factor must be 1.0."""
     factor = params.get("attention_factor")
@@ -187,6 +215,8 @@ def parse_rope(cfg: Any, text: dict[str, Any]) -> None:
     """rope_scaling / rope_theta / compress_rope_theta from the flat legacy `rope_scaling`
     or transformers' per-type `rope_parameters` ({"main": ..., "compress": ...})."""
     scaling = text.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        fail(f"rope_scaling must be an object or null, got {scaling!r}", field="rope_scaling")
     cfg.rope_scaling = _yarn_scaling(dict(scaling), "rope_scaling") if isinstance(scaling, dict) else scaling
     params = text.get("rope_parameters")
     if cfg.rope_scaling is None and isinstance(params, dict):
@@ -205,9 +235,15 @@ def parse_quantization(cfg: Any, raw: dict[str, Any], text: dict[str, Any]) -> N
     config), the block defaulting to the family's `DEFAULT_FP8_BLOCK`."""
     quant = raw.get("quantization_config") or text.get("quantization_config")
     loose = text.get("expert_dtype", raw.get("expert_dtype"))
+    if quant and not isinstance(quant, dict):
+        fail(f"quantization_config must be an object, got {quant!r}", field="quantization_config")
     if quant:
-        block = quant.get("weight_block_size") or list(type(cfg).DEFAULT_FP8_BLOCK)
-        cfg.fp8_block = (int(block[0]), int(block[1]))
+        block = int_list(quant.get("weight_block_size") or list(type(cfg).DEFAULT_FP8_BLOCK),
+                         "quantization_config.weight_block_size")
+        if len(block) != 2:
+            fail(f"quantization_config.weight_block_size must have 2 entries, got {block}",
+                 field="quantization_config.weight_block_size")
+        cfg.fp8_block = (block[0], block[1])
         cfg.expert_dtype = quant.get("expert_dtype", loose)
     else:
         cfg.fp8_block = None

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 from .config_common import (DeepseekConfigBase, ModelConfigError, check_positive_ints, common_official_json,
                             copy_plain_fields, dspark_official_json, fail, parse_quantization, parse_rope,
                             validate_common)
+from .config_common import int_list, int_value
 
 __all__ = ["DeepseekV41Config", "ModelConfigError", "V41_MODEL_TYPES"]
 
@@ -143,11 +144,12 @@ class DeepseekV41Config(DeepseekConfigBase):
                                            "engram_num_embeddings", "dspark_target_layer_ids", "vision_config",
                                            "image_token_id"})
         if "engram_pad_token_id" in text and "engram_pad_id" not in text:
-            cfg.engram_pad_id = int(text["engram_pad_token_id"])
+            cfg.engram_pad_id = int_value(text["engram_pad_token_id"], "engram_pad_token_id")
         if text.get("torch_dtype") is None and raw.get("torch_dtype") is not None:
             cfg.torch_dtype = raw["torch_dtype"]  # the nested file keeps it at the top level
         cfg.vision_config = (raw.get("vision_config") or None) if "text_config" in raw else None  # {} = none
-        cfg.image_token_id = int(raw.get("image_token_id", text.get("image_token_id", cfg.image_token_id)))
+        cfg.image_token_id = int_value(raw.get("image_token_id", text.get("image_token_id", cfg.image_token_id)),
+                                       "image_token_id")
         n, n_mtp = int(cfg.num_hidden_layers), int(cfg.num_nextn_predict_layers or 0)
         ratios = text.get("compress_ratios")
         if ratios is None:
@@ -157,7 +159,7 @@ class DeepseekV41Config(DeepseekConfigBase):
                 n_slide = min(2, n)
                 n_enc = max(0, (n - n_slide + 1) // 2)
                 ratios = [0] * n_slide + [2] * n_enc + [1] * max(0, n - n_slide - n_enc)
-        ratios = [int(r) for r in ratios]
+        ratios = int_list(ratios, "compress_ratios")
         if len(ratios) < n:
             fail(f"compress_ratios has {len(ratios)} entries but num_hidden_layers={n}", field="compress_ratios")
         cfg.compress_ratios = ratios[:n]
@@ -169,24 +171,24 @@ class DeepseekV41Config(DeepseekConfigBase):
             else:  # first layer of each same-ratio run of compressed layers
                 kv = [i for i, r in enumerate(cfg.compress_ratios)
                       if r > 0 and (i == 0 or cfg.compress_ratios[i - 1] != r)]
-        cfg.kv_source_layer_ids = sorted(int(i) for i in kv)
+        cfg.kv_source_layer_ids = sorted(int_list(kv, "kv_source_layer_ids"))
         idx = text.get("index_source_layer_ids")
         if idx is None:
             idx = list(RELEASED_INDEX_SOURCES) if cfg.kv_source_layer_ids == RELEASED_KV_SOURCES \
                 else list(cfg.kv_source_layer_ids)
-        cfg.index_source_layer_ids = sorted(int(i) for i in idx)
+        cfg.index_source_layer_ids = sorted(int_list(idx, "index_source_layer_ids"))
         cand = text.get("candidate_source_layer_id")
-        cfg.candidate_source_layer_id = int(cand) if cand is not None else (
+        cfg.candidate_source_layer_id = int_value(cand, "candidate_source_layer_id") if cand is not None else (
             cfg.kv_source_layer_ids[-1] if cfg.kv_source_layer_ids else -1)
         if cfg.candidate_source_layer_id < 0:
             cfg.candidate_source_layer_id = -1
-        cfg.engram_layer_ids = [int(i) for i in (text.get("engram_layer_ids") or [])]
+        cfg.engram_layer_ids = int_list(text.get("engram_layer_ids") or [], "engram_layer_ids")
         emb = text.get("engram_num_embeddings")
-        cfg.engram_num_embeddings = [int(e) for e in emb] if emb is not None else []
+        cfg.engram_num_embeddings = int_list(emb, "engram_num_embeddings") if emb is not None else []
         targets = text.get("dspark_target_layer_ids")
         if targets is None:
             targets = sorted(i for i in range(n) if i not in cfg.kv_source_layer_ids)[-3:]
-        cfg.dspark_target_layer_ids = [int(i) for i in targets]
+        cfg.dspark_target_layer_ids = int_list(targets, "dspark_target_layer_ids")
         if cfg.dspark_block_size and not n_mtp:
             cfg.dspark_block_size = 0  # no draft stages in this checkpoint
         parse_rope(cfg, text)
