@@ -4,10 +4,14 @@
     llm = LLM()                                   # embedded default checkpoint
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
 
-`LLM` is a thin client of one `deepinfer.engine.core.EngineCore` (``llm.engine``): it
-checks a call's inputs, adds its requests, steps the core until they finish and returns
-their outputs in prompt order. The core's parts (``scheduler``, ``runner``, ``metrics``,
-``config`` ...) read and write through the client, as they did when they lived on it.
+`LLM` is a thin client of one engine (``llm.engine``). One process: an
+`deepinfer.engine.core.EngineCore`; the client checks a call's inputs, adds its requests,
+steps the core until they finish and returns their outputs in prompt order. With
+``data_parallel_size`` / ``expert_parallel_size`` > 1 the engine is
+`deepinfer.parallel.dp_engine.DataParallelEngine`, a driver over one rank core per process
+that runs each call on its ranks in lockstep (``generate`` hands the call to it). Either
+way the engine's parts and verbs (``scheduler``, ``config``, ``placement``, ``rebalance``,
+``shutdown`` ...) read and write through the client.
 """
 
 from __future__ import annotations
@@ -29,29 +33,34 @@ from deepinfer.sampling_params import SamplingParams
 class LLM:
     """Offline generation over an engine core: model, KV cache, scheduler and runner in one process."""
 
-    #: what ``data_parallel_size`` / ``expert_parallel_size`` > 1 builds instead: the multi-process
-    #: driver, a subclass of this class in the layer above it. Named, not imported: the driver and
-    #: its ranks import this module, so an import here would be an import cycle (the one place
-    #: where the engine refers up the layers, and only when asked for more than one rank).
-    multi_process_engine: str = "deepinfer.parallel.dp_engine:DPLLM"
-
-    def __new__(cls, *args: object, **kwargs: object) -> LLM:
-        """``data_parallel_size`` / ``expert_parallel_size`` > 1 builds the multi-process
-        engine instead (`deepinfer.parallel.dp_engine.DPLLM`, a subclass of this one)."""
-        sizes = (kwargs.get("data_parallel_size", 1), kwargs.get("expert_parallel_size", 1))
-        if cls is LLM and any(isinstance(n, int) and not isinstance(n, bool) and n > 1 for n in sizes):
-            module, name = cls.multi_process_engine.split(":")
-            return super().__new__(getattr(importlib.import_module(module), name))
-        return super().__new__(cls)
+    #: the engine ``data_parallel_size`` / ``expert_parallel_size`` > 1 builds: the driver over
+    #: rank cores. Named, not imported: its ranks (`deepinfer.parallel.rank_engine.RankLLM`)
+    #: are clients of this class, so an import here would be an import cycle, and it pulls in
+    #: torch.distributed and the launcher, which a one-process engine never needs.
+    multi_process_engine: str = "deepinfer.parallel.dp_engine:DataParallelEngine"
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, **kwargs: object) -> None:
-        #: the engine core this client drives
-        self.engine: EngineCore = self.make_core(model, tokenizer, **kwargs)
-        self._ids = itertools.count()
+        self._ids = itertools.count()  # before the engine: __setattr__ would hand it to an engine with one
+        #: the engine this client drives: an EngineCore, or the multi-rank driver
+        self.engine: Any = self.make_core(model, tokenizer, **kwargs)
 
-    def make_core(self, model: str | None, tokenizer: str | None, **kwargs: object) -> EngineCore:
-        """Build the core (engines with other construction steps return a subclass)."""
+    def make_core(self, model: str | None, tokenizer: str | None, **kwargs: object) -> Any:
+        """Build the engine: an EngineCore (engines with other construction steps return a
+        subclass), or the multi-rank driver when more than one rank is asked for."""
+        sizes = (kwargs.get("data_parallel_size", 1), kwargs.get("expert_parallel_size", 1))
+        if any(isinstance(n, int) and not isinstance(n, bool) and n > 1 for n in sizes):
+            module, name = self.multi_process_engine.split(":")
+            return getattr(importlib.import_module(module), name)(model, tokenizer, **kwargs)
         return EngineCore(model, tokenizer, **kwargs)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stop the engine's processes, where it has any (the multi-rank driver)."""
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     # the core's parts are the client's: llm.scheduler, llm.runner, llm.config = ... (sweeps)
     def __getattr__(self, name: str) -> Any:
@@ -77,6 +86,8 @@ class LLM:
         Every input is validated before any request is queued, so a bad one raises a
         clear InvalidRequestError and leaves the engine serving."""
         core = self.engine
+        if getattr(core, "runs_whole_calls", False):  # the multi-rank driver: its ranks step in lockstep
+            return core.generate(prompts, sampling_params, prompt_token_ids, use_tqdm=use_tqdm)
         # the whole call validated before anything is queued (deepinfer/engine/admission.py)
         items, params = admit_generate(core, prompts, sampling_params, prompt_token_ids)
         ids: list[str] = []

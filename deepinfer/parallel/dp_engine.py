@@ -1,7 +1,9 @@
 """``LLM(data_parallel_size=N, expert_parallel_size=N)``: the driver of N rank processes.
 
-The driver holds no model. It spawns one `RankLLM` per rank (see `launcher`), splits each
-generate() call's prompts across ranks (round robin, or by tokens), lets the ranks run
+`DataParallelEngine` is the engine such an `LLM` is a client of (``llm.engine``), as an
+`EngineCore` is for one process; it is not an `LLM` itself. The driver holds no model. It
+spawns one `RankLLM` per rank (a client of that rank's `RankEngineCore`, see `launcher`),
+splits each generate() call's prompts across ranks (round robin, or by tokens), lets the ranks run
 their own schedulers in lockstep, and returns outputs in prompt order. Placement and
 EPLB are driven from here: `placement`, `set_placement`, `rebalance`, `expert_load`.
 
@@ -36,7 +38,6 @@ from tqdm.auto import tqdm
 from deepinfer.engine.admission import check_sampling_values, prompt_items
 from deepinfer.engine.inputs import expand_sampling_params
 from deepinfer.errors import ConfigError, DeepInferError, InvalidRequestError
-from deepinfer.llm import LLM
 from deepinfer.models.default_model import resolve_model
 from deepinfer.outputs import RequestOutput
 from deepinfer.parallel.eplb import RebalanceReport
@@ -45,7 +46,7 @@ from deepinfer.parallel.placement import ExpertPlacement
 from deepinfer.parallel.rank_engine import PeerRejectedError
 from deepinfer.sampling_params import SamplingParams
 
-__all__ = ["DPLLM", "RankFailedError", "split_requests", "REPLY_SLACK_S"]
+__all__ = ["DataParallelEngine", "RankFailedError", "split_requests", "REPLY_SLACK_S"]
 
 #: seconds a rank may answer later than the first rank of a call, beyond the collective
 #: timeout (ranks run in lockstep: any longer and it is stopped or hung)
@@ -113,8 +114,12 @@ def process_state(pid: int | None) -> str:
     return names.get(code, f"in state {code!r}")
 
 
-class DPLLM(LLM):
-    """Data-parallel attention + expert-parallel MoE over spawned rank processes."""
+class DataParallelEngine:
+    """Data-parallel attention + expert-parallel MoE over spawned rank processes (the engine
+    of ``LLM(data_parallel_size=N, expert_parallel_size=N)``)."""
+
+    #: `LLM.generate` hands whole calls here: the ranks step in lockstep, the driver has no step()
+    runs_whole_calls = True
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, *, dp_split: str = "round_robin",
                  **kwargs: Any) -> None:
@@ -168,7 +173,7 @@ class DPLLM(LLM):
 
     close = shutdown
 
-    def __enter__(self) -> DPLLM:
+    def __enter__(self) -> DataParallelEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:

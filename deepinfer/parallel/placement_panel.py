@@ -41,7 +41,7 @@ def placement_frame(placement: ExpertPlacement, layer: int = 0) -> pd.DataFrame:
 
 
 class ExpertPlacementPanel(Panel):
-    """Heatmap, placement table, imbalance plots and EPLB controls over a `DPLLM`."""
+    """Heatmap, placement table, imbalance plots and EPLB controls over a multi-rank `LLM`."""
 
     def __init__(self, llm: Any, make_llm: Callable[[int, int], Any] | None = None, num_requests: int = 8,
                  prompt_len: int = 24, output_len: int = 8, seed: int = 0, max_ep_size: int = 8) -> None:
