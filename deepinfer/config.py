@@ -63,6 +63,27 @@ def host_memory_bytes() -> int | None:
         return None
 
 
+def device_memory_bytes() -> tuple[int, int] | None:
+    """(free, total) bytes of the current CUDA device from ``torch.cuda.mem_get_info``; None
+    without CUDA. Asked before any weight loads, so ``free`` is what other processes left."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return int(free), int(total)
+
+
+def _memory_bound(accelerator: str) -> tuple[int, str] | None:
+    """(bytes, what they are) that one engine's KV cache can never exceed on ``accelerator``."""
+    if accelerator == "cpu":
+        host = host_memory_bytes()
+        return (host, f"this host's memory ({host} bytes) on the CPU backend") if host else None
+    if accelerator == "nvidia":
+        info = device_memory_bytes()
+        if info is not None:
+            return info[1], f"the GPU's memory ({info[1]} bytes, torch.cuda.mem_get_info)"
+    return None
+
+
 def detect_accelerator() -> str:
     """'nvidia' if CUDA is usable, else 'ascend' if torch_npu is, else 'cpu'.
 
@@ -201,11 +222,14 @@ class EngineConfig:
                 or not 0 < gmu <= 1):
             fail("gpu_memory_utilization", "a number in (0, 1]", gmu)
         check_int("kv_cache_memory_bytes", 1, optional=True)
-        host = host_memory_bytes()
-        if self.accelerator == "cpu" and self.kv_cache_memory_bytes is not None and host \
-                and self.kv_cache_memory_bytes > host:
-            fail("kv_cache_memory_bytes", f"at most this host's memory ({host} bytes) on the CPU backend",
-                 self.kv_cache_memory_bytes)
+        bound = _memory_bound(self.accelerator)
+        if self.kv_cache_memory_bytes is not None and bound and self.kv_cache_memory_bytes > bound[0]:
+            fail("kv_cache_memory_bytes", f"at most {bound[1]}", self.kv_cache_memory_bytes)
+        if self.accelerator == "nvidia":
+            info = device_memory_bytes()
+            if info is not None and info[1] * gmu <= info[1] - info[0]:  # nothing left for weights or KV
+                fail("gpu_memory_utilization", f"above {(info[1] - info[0]) / info[1]:.3f}, the fraction of the GPU "
+                     f"already in use ({info[1] - info[0]} of {info[1]} bytes, torch.cuda.mem_get_info)", gmu)
         check_int("num_kv_blocks", 1, optional=True)
         check_int("cpu_threads", 1, optional=True)
         if self.cpu_dense_weights is not None and not isinstance(self.cpu_dense_weights, bool):
@@ -259,16 +283,17 @@ class EngineConfig:
             raise ConfigError(range_message("EngineConfig.block_size", f"a power of two that every compress ratio "
                                             f"of {path} divides ({exc})", self.block_size),
                               field="block_size") from None
-        host = host_memory_bytes()
-        if self.num_kv_blocks is not None and self.accelerator == "cpu" and host:
+        bound = _memory_bound(self.accelerator)
+        if self.num_kv_blocks is not None and bound:
             name = mcfg.torch_dtype if self.dtype == "auto" else self.dtype
             dtype = getattr(torch, name, None) if isinstance(name, str) else None
             dtype = dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
             per_block = sum(family.kv_block_bytes(mcfg, self.block_size, dtype).values())
-            if self.num_kv_blocks * per_block > host:
+            where = "on this host" if self.accelerator == "cpu" else "on this GPU"
+            if self.num_kv_blocks * per_block > bound[0]:
                 raise ConfigError(range_message(
-                    "EngineConfig.num_kv_blocks", f"at most {host // per_block} on this host ({per_block} bytes per "
-                    f"block of {self.block_size} tokens, {host} bytes of memory)", self.num_kv_blocks),
+                    "EngineConfig.num_kv_blocks", f"at most {bound[0] // per_block} {where} ({per_block} bytes per "
+                    f"block of {self.block_size} tokens, {bound[0]} bytes of memory)", self.num_kv_blocks),
                     field="num_kv_blocks")
 
     def resolve_max_model_len(self, model_max_len: int) -> EngineConfig:

@@ -98,3 +98,27 @@ def test_config_flat_v4_rates_and_image_token_named(family) -> None:
         with pytest.raises(ConfigError, match="image_token_id must be an integer") as info:
             type(tiny_v41_config()).from_dict(raw)
         assert info.value.field == "image_token_id"
+
+
+def test_gpu_memory_bounds_checked_against_the_device(monkeypatch) -> None:
+    """On CUDA the bound is torch.cuda.mem_get_info's total (this box has no GPU, so the
+    device's answer is stood in: 80 GiB total, 70 GiB free); the CPU path is the host's."""
+    import deepinfer.config as config_mod
+
+    gib = 2**30
+    monkeypatch.setattr(config_mod, "device_memory_bytes", lambda: (70 * gib, 80 * gib))
+    with pytest.raises(ConfigError, match=r"kv_cache_memory_bytes must be at most the GPU's memory \(85899345920 "
+                                          r"bytes, torch.cuda.mem_get_info\)") as info:
+        EngineConfig.from_kwargs(kv_cache_memory_bytes=81 * gib, accelerator="nvidia")
+    assert info.value.field == "kv_cache_memory_bytes"
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization must be above 0.125, the fraction of the GPU "
+                                          r"already in use") as info:
+        EngineConfig.from_kwargs(gpu_memory_utilization=0.1, accelerator="nvidia")
+    assert info.value.field == "gpu_memory_utilization"
+    with pytest.raises(ConfigError, match=r"num_kv_blocks must be at most \d+ on this GPU"):
+        EngineConfig.from_kwargs(num_kv_blocks=10**12, accelerator="nvidia")
+    ok = EngineConfig.from_kwargs(kv_cache_memory_bytes=8 * gib, gpu_memory_utilization=0.9, num_kv_blocks=64,
+                                  accelerator="nvidia")
+    assert (ok.kv_cache_memory_bytes, ok.num_kv_blocks) == (8 * gib, 64)
+    with pytest.raises(ConfigError, match=r"kv_cache_memory_bytes must be at most this host's memory"):
+        EngineConfig.from_kwargs(kv_cache_memory_bytes=10**15, accelerator="cpu")  # CPU: the host bound
