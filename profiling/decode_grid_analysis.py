@@ -68,6 +68,8 @@ def diagnose(fresh: dict, warmed: dict) -> dict:
                 "alloc_retries", "device_mallocs", "device_frees"):
         f, w = per_step(fresh, key), per_step(warmed, key)
         out[key] = [f, w]
+    out["window_pages_2mib"] = [((c.get("diag") or {}).get("window_blocks") or {}).get("pages_2mib")
+                                for c in (fresh, warmed)]
     g, h = out["graph_gpu_ms"], out["host_busy_ms_per_step"]
     gpu = g[0] and g[1] and g[1] / g[0]
     host = h[0] and h[1] and h[1] / h[0]

@@ -103,7 +103,10 @@ def test_the_script_runs_on_cpu(tmp_path, monkeypatch):
             assert c["diag"]["graph_keys"] and c["diag"]["steps"] >= 2 and c["diag"]["graph_gpu_ms"] is None
             assert c["diag"]["host_busy_ms_per_step"] > 0
         assert eng["first_generate"]["first_probe"]["steps"] >= 3
-    assert out["engines"]["max_model_len=256"]["remedies"]["batch"] in (1, 2)
+    remedy = out["engines"]["max_model_len=256"]["remedies"]
+    assert remedy["batch"] in (1, 2) and remedy["after_sorting_free_blocks"] > 0
+    spread = out["engines"]["max_model_len=256"]["warmed"][0]["diag"]["window_blocks"]
+    assert spread["blocks"] >= 1 and spread["pages_2mib"] >= 1 and spread["id_span"] >= spread["blocks"]
 
 
 if __name__ == "__main__":
