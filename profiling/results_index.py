@@ -64,6 +64,9 @@ BENCHMARKS = (
           "decode / prefill vs default", ("invariant_compiled_*.json",)),
     Bench("spec_draft_h200.py", "graphed vs eager DSpark draft step: same drafts, draft-step ms, e2e tok/s",
           ("spec_draft_h200_*.json",)),
+    Bench("spec_h200.py", "speculative decoding of the trained default (off / MTP / DSpark fixed / scheduled): tok/s "
+          "per user and total, acceptance per position, verify + draft step profile, invariant bitwise check",
+          ("spec_h200_*.json",)),
     Bench("v41_prefill_h200.py", "V4.1 compiled prefill / mixed steps vs the reference path, 8k prefill tok/s per "
           "bounded-replay mode", ("v41_prefill_*.json",)),
 )

@@ -21,6 +21,8 @@ from deepinfer.engine.transfer import to_device
 from deepinfer.models.bounded_replay import replay_free
 from deepinfer.models.fast.decode_graphs import BUCKETS
 from deepinfer.models.fast.verify_graphs import VerifyGraphs, verify_row_buckets, verify_shapes
+from deepinfer.models.fast.prefill import PrefillPath
+from deepinfer.models.fast.verify_prefill import SpecForward, SpecPrefill
 from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, phase
 
 from .drafter import Draft, DraftContext, Drafter
@@ -30,17 +32,9 @@ from .step_curve import OnlineStepTimeCurve
 from .verify import drafts_to_verify, rejection_sample_device
 
 
-def forward_capture(model, batch, cache, layers: tuple[int, ...], fast=None, so=None
-                    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """`DeepseekV4Model.forward` that also returns the INPUT streams [T, N, D] of ``layers``
-    (their attention input: DSpark's target features). ``fast`` (the compiled verify
-    executor, `models/fast/verify_graphs.VerifyGraphs`) runs verify steps (every request a
-    token and its drafts) batched, from the graphs captured at start-up."""
-    if fast is not None:
-        hidden = dict.fromkeys(layers)
-        streams = fast.forward(so, batch, hidden if layers else None)
-        if streams is not None:
-            return streams, hidden
+def forward_capture(model, batch, cache, layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """`DeepseekV4Model.forward` (the reference path) that also returns the INPUT streams
+    [T, N, D] of ``layers`` (their attention input: DSpark's target features)."""
     if not layers:
         return model(batch, cache), {}
     hidden: dict = dict.fromkeys(layers)
@@ -70,6 +64,7 @@ class SpecDecoder:
         #: is verified depend on draft j itself (c_{j+1} reads x_j): not lossless.
         self.older_confidences: list[list[float]] | None = None
         self._verify = None  # VerifyGraphs once built (verify_executor)
+        self._prefill = None  # SpecPrefill once a step needed it
 
     # ------------------------------------------------------------ compiled verify
     def verify_executor(self, runner, max_num_seqs: int = BUCKETS[-1]):
@@ -81,22 +76,42 @@ class SpecDecoder:
         return self._verify
 
     def warmup(self, runner, max_num_seqs: int, max_model_len: int, block_size: int) -> int:
-        """Capture the verify graphs of every shape these limits allow (and the drafter's,
-        when it has a ``warmup(runner, max_num_seqs, max_model_len, block_size)``), then seal
-        the fast path's graph set: nothing is captured while serving. Returns the number of
-        graphs captured (0 off the fast path, without graphs, or in batch-invariant mode,
-        whose verify rows run the reference path)."""
+        """Capture the verify graphs of every shape these limits allow, then seal the fast
+        path's graph set: nothing is captured while serving (the drafter's graphs have a pool
+        of their own, captured by ``spec.setup``). Returns the number of graphs captured (0
+        off the fast path, without graphs, or in batch-invariant mode, whose speculative
+        steps run the mode's prefill rows: `verify_prefill.SpecPrefill`)."""
         fast = runner.fast
         verify = self.verify_executor(runner, max_num_seqs)
         if verify is None or not fast.warms_up() or runner.batch_invariant:
             return 0
-        n = 0
-        draft_warmup = getattr(self.drafter, "warmup", None)
-        if draft_warmup is not None:
-            n += int(draft_warmup(runner, max_num_seqs, max_model_len, block_size) or 0)
-        n += verify.warmup(verify_shapes(max_num_seqs, self.k, max_model_len, block_size))
+        n = verify.warmup(verify_shapes(max_num_seqs, self.k, max_model_len, block_size))
         fast.graphs.seal()
         return n
+
+    def _forward(self, runner, so: SchedulerOutput, batch) -> SpecForward:
+        """The step's final streams, the drafter's captured layer inputs and a rows -> logits
+        function: decode-like steps replay the verify graphs; prompt / mixed steps, and every
+        step in batch-invariant mode (the mode's rows, the decode head: bitwise what a
+        non-speculative decode step gives), run the compiled prefill path; the reference
+        path runs the rest (bounded replay with a cut inside the step, other families)."""
+        model, layers = runner.model, tuple(self.drafter.target_layers)
+        invariant = batch_invariant.enabled()
+        # bounded replay changes nothing for rows whose windows start after the cut
+        if not invariant and replay_free(so, runner.replay, model.cfg):
+            verify = self.verify_executor(runner)
+            hidden = dict.fromkeys(layers)
+            streams = verify.forward(so, batch, hidden if layers else None) if verify is not None else None
+            if streams is not None:
+                return streams, hidden, lambda rows: model.compute_logits(streams[rows])
+        if isinstance(runner.fast_prefill, PrefillPath) and runner.replay is None:  # V4's prefill path
+            if self._prefill is None:
+                self._prefill = SpecPrefill(runner.fast_prefill)
+            out = self._prefill.forward(batch, layers, invariant)
+            if out is not None:
+                return out
+        streams, hidden = forward_capture(model, batch, runner.cache, layers)
+        return streams, hidden, lambda rows: model.compute_logits(streams[rows])
 
     # ------------------------------------------------------------------ host side
     def attach(self, scheduler, structured=None) -> None:
@@ -161,10 +176,7 @@ class SpecDecoder:
         with phase(PREPARE_INPUTS):
             batch = runner.build_batch(so)
         with phase(MODEL):
-            # bounded replay changes nothing for rows whose windows start after the cut
-            free = replay_free(so, runner.replay, model.cfg)
-            fast = self.verify_executor(runner) if free and not batch_invariant.enabled() else None
-            streams, hidden = forward_capture(model, batch, runner.cache, tuple(self.drafter.target_layers), fast, so)
+            streams, hidden, logits_of = self._forward(runner, so, batch)
         picks = [i for i, r in enumerate(so.scheduled) if r.needs_sample]
         valid = [r.num_tokens - r.num_draft_tokens for r in so.scheduled]
         emitted: list[list[int] | None] = [None] * len(so.scheduled)
@@ -192,7 +204,7 @@ class SpecDecoder:
                     self.probs.pop(so.scheduled[i].req_id, None)
             dev = runner.device
             with phase(LOGITS):
-                logits = model.compute_logits(streams[to_device(rows, torch.long, dev)])
+                logits = logits_of(to_device(rows, torch.long, dev))
             if grammar is not None:  # row j of a request: its grammar after drafts[:j]
                 grammar.apply_verify(logits, layout)
             st = SamplingTensors.from_params(params, positions, dev)

@@ -195,7 +195,10 @@ def rejection_sample_device(logits: torch.Tensor, params: SamplingTensors, num_d
     greedy_tok = raw.argmax(dim=-1)
     d = draft_ids.clamp(0, V - 1)
     accept = d == greedy_tok
-    final = greedy_tok  # the token of a request's first rejected row, or of its bonus row
+    slot_row, is_draft = verify_layout(num_drafts, raw.device)
+    # the token a slot emits when it is the request's first unaccepted one: a draft slot's
+    # residual sample, the bonus slot's fresh target sample
+    final = greedy_tok[slot_row]
     if not params.all_greedy:
         fresh = sampler.sample(raw, params).token_ids
         p = torch.softmax(sampler.process_logits(raw, params), dim=-1)
@@ -217,16 +220,12 @@ def rejection_sample_device(logits: torch.Tensor, params: SamplingTensors, num_d
         res = (torch.log(resid) - torch.log(-torch.log(ur))).argmax(dim=-1)
         accept = torch.where(params.greedy, accept, u < ratio)
         residual_tok = torch.where(params.greedy, greedy_tok, res)
-        bonus = torch.zeros(M, dtype=torch.bool, device=raw.device)
-        ends = np.cumsum(np.asarray(num_drafts, dtype=np.int64) + 1) - 1
-        bonus[torch.from_numpy(ends).to(raw.device)] = True
-        final = torch.where(bonus, fresh, residual_tok)
-    slot_row, is_draft = verify_layout(num_drafts, raw.device)
+        final = torch.where(is_draft, residual_tok[slot_row], fresh[slot_row])
     acc = accept[slot_row] & is_draft  # [B, K + 1]; the bonus slot never "accepts"
     n_acc = acc.long().cumprod(dim=1).sum(dim=1)  # the leading run of accepted drafts
     j = torch.arange(slot_row.shape[1], device=raw.device).unsqueeze(0)
     a = n_acc.unsqueeze(1)
-    tok = torch.where(j < a, d[slot_row], final[slot_row])
+    tok = torch.where(j < a, d[slot_row], final)
     tok = torch.where(j <= a, tok, torch.full_like(tok, -1))
     lp_all = torch.log_softmax(raw, dim=-1) if raw_logprobs is None else raw_logprobs
     lp = lp_all[slot_row, tok.clamp(min=0)]

@@ -1,0 +1,240 @@
+"""Speculative verify on the compiled executor (CPU: fast path forced on the host, graphs
+emulated on the same padded buffers, Triton kernels interpreted or their torch references):
+
+* the device rejection sampler == the host reference sampler: the same tokens, accepted
+  counts, rows and log-probs (greedy and stochastic, deterministic and sampled drafts), and
+  its first emitted token follows the target distribution (chi-square);
+* the verify graphs are captured at start-up and sealed: speculative greedy steps replay
+  them (nothing captured while serving, no step outside the set) and equal decoding
+  without speculation;
+* rollback: after verify steps that rejected drafts, every valid KV row / compressed entry
+  equals the one a never-speculated run wrote.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any deepinfer_kernels module is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from deepinfer import SamplingParams  # noqa: E402
+from deepinfer.engine.sampler import SamplingTensors  # noqa: E402
+from deepinfer.models.kv_cache import GROUP_CSA, GROUP_HCA, GROUP_SWA, gather_rows  # noqa: E402
+from deepinfer.models.tiny import tiny_config, write_tiny_checkpoint  # noqa: E402
+from deepinfer.spec import RandomDrafter  # noqa: E402
+from deepinfer.spec.verify import rejection_sample, rejection_sample_device, sample_draft  # noqa: E402
+
+from spec_common import PARAMS, VOCAB, make_llm, mixed_prompts  # noqa: E402
+
+V = 16
+
+
+def _case(seed: int, greedy_every: int):
+    g = torch.Generator().manual_seed(seed)
+    ks = [int(x) for x in torch.randint(0, 6, (9,), generator=g)]
+    params, positions = [], []
+    for b, k in enumerate(ks):
+        sp = SamplingParams(temperature=0 if b % greedy_every == 0 else 0.8, top_k=-1 if b % 2 else 5,
+                            seq_seed=1000 * seed + b)
+        params += [sp] * (k + 1)
+        positions += [20 + j for j in range(k + 1)]
+    m = sum(k + 1 for k in ks)
+    logits = torch.randn(m, V, generator=g) * 2
+    # mostly the target's argmax (greedy rows accept it; sampled rows often do), else random
+    drafts = torch.where(torch.rand(m, generator=g) < 0.7, logits.argmax(-1), torch.randint(0, V, (m,), generator=g))
+    q = torch.softmax(torch.randn(m, V, generator=g), -1)
+    return logits, SamplingTensors.from_params(params, positions), ks, drafts, q
+
+
+@pytest.mark.parametrize("seed,greedy_every", [(1, 1), (2, 3), (3, 2), (4, 100)])
+@pytest.mark.parametrize("sampled_drafts", [False, True])
+def test_device_sampler_equals_host_reference(seed, greedy_every, sampled_drafts):
+    logits, st, ks, drafts, q = _case(seed, greedy_every)
+    probs = q if sampled_drafts else None
+    host = rejection_sample(logits, st, ks, drafts, probs)
+    dev = rejection_sample_device(logits, st, ks, drafts, probs)
+    got = dev.to_result()
+    assert got.tokens == host.tokens
+    assert got.num_accepted == host.num_accepted
+    assert got.rows == host.rows
+    assert got.logprobs == host.logprobs
+    assert sum(host.num_accepted) > 0 and sum(a < k for a, k in zip(host.num_accepted, ks)) > 0  # both kinds
+    # the packed layout: -1 past each request's emitted tokens
+    toks = dev.tokens.tolist()
+    for b, t in enumerate(host.tokens):
+        assert toks[b][len(t):] == [-1] * (dev.width - len(t))
+
+
+def _chi2_p(tokens: list[int], probs: torch.Tensor) -> float:
+    counts = torch.bincount(torch.tensor(tokens), minlength=V).double()
+    exp = probs.double() * len(tokens)
+    keep = exp >= 5  # pool rare cells
+    obs = torch.cat([counts[keep], counts[~keep].sum().view(1)])
+    e = torch.cat([exp[keep], exp[~keep].sum().view(1)])
+    chi2 = float(((obs - e) ** 2 / e.clamp(min=1e-9)).sum())
+    df = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(chi2 / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("rule,lossless", [("standard", True), ("ignore_q", False)])
+def test_device_sampler_preserves_the_target_distribution(rule, lossless):
+    """First emitted token of 20k requests with k=2 sampled drafts ~ softmax(target / T);
+    the deliberately broken rule (accept with p(d)) fails the same test."""
+    n, k, temp = 20000, 2, 1.0
+    g = torch.Generator().manual_seed(0)
+    target, draft = torch.randn(V, generator=g) * 1.5, torch.randn(V, generator=g) * 1.5
+    sp = [SamplingParams(temperature=temp, seq_seed=s) for s in range(n)]
+    ids, qs = [], []
+    for j in range(k):
+        tok, q = sample_draft(draft.expand(n, V), SamplingTensors.from_params(sp, [10 + j] * n))
+        ids.append(tok)
+        qs.append(q)
+    d = torch.cat([torch.stack(ids, 1), torch.full((n, 1), -1)], 1).reshape(-1)
+    qq = torch.cat([torch.stack(qs, 1), torch.zeros(n, 1, V)], 1).reshape(-1, V)
+    params = SamplingTensors.from_params([p for p in sp for _ in range(k + 1)],
+                                         [10 + j for _ in range(n) for j in range(k + 1)])
+    dev = rejection_sample_device(target.expand(n * (k + 1), V).clone(), params, [k] * n, d, qq, rule=rule)
+    first = dev.tokens[:, 0].tolist()
+    p = _chi2_p(first, torch.softmax(target / temp, -1))
+    assert (p > 0.01) == lossless, p
+    assert 0.05 < float(dev.num_accepted.float().mean()) < k  # drafts both accepted and rejected
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_spec_compiled")
+    write_tiny_checkpoint(str(path), seed=3, cfg=tiny_config(vocab_size=VOCAB, sliding_window=32))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    outs = make_llm(ckpt).generate(prompt_token_ids=mixed_prompts(), sampling_params=PARAMS, use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+# the kernels' torch references ("ref"): interpreted Triton over these engine runs takes ~12 min on
+# the CI box (measured), the kernels themselves are checked against the references elsewhere
+@pytest.mark.parametrize("ops,k,varlen,prefill", [("ref", 3, False, "0"), ("ref", 5, True, "ref")])
+def test_verify_graphs_warmed_sealed_and_equal_to_no_speculation(ckpt, reference, monkeypatch, ops, k, varlen,
+                                                                 prefill):
+    """``prefill="ref"``: the prompt / mixed steps run the compiled prefill path too
+    (verify_prefill.SpecPrefill, the drafter's layers captured there)."""
+    monkeypatch.setenv("DEEPINFER_FASTPATH", ops)
+    monkeypatch.setenv("DEEPINFER_FAST_PREFILL", prefill)
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_WARMUP", "1")  # the start-up capture, emulated on the host
+    prompts, params = mixed_prompts(), PARAMS
+    llm = make_llm(ckpt, num_speculative_tokens=k, enable_mtp_varlen=varlen, max_num_batched_tokens=64)
+    fast, spec = llm.runner.fast, llm.runner.spec
+    verify = spec.verify_executor(llm.runner)
+    assert llm.graphs_warmed == len(verify.warmed) > 0 and fast.graphs.sealed
+    captured = list(fast.graphs.captured)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+    assert fast.graphs.captured == captured, "a graph was captured while serving"
+    assert verify.counts["graph_steps"] > 0 and fast.graphs.stats["uncaptured_steps"] == 0
+    replayed = {key[1] for key in fast.graphs.replays if key[0] == "verify"}
+    assert any(rows > 1 for rows in replayed)
+    assert spec.metrics.verify_tokens_per_step > 1.0
+    assert (spec._prefill is not None and spec._prefill.counts["steps"] > 0) == (prefill == "ref")
+
+
+def _kv_rows(llm, req, n: int) -> dict[str, torch.Tensor]:
+    """Request ``req``'s valid KV of its first ``n`` positions, per layer and kind."""
+    cache, cfg, table = llm.kv_cache, llm.model_config, req.block_table
+    out = {}
+    lo = max(0, n - cfg.sliding_window)  # older window rows may be freed
+    for i in range(cfg.num_hidden_layers):
+        out[f"swa{i}"] = gather_rows(cache.swa[i], table[GROUP_SWA], lo, n)
+    for i, t in cache.csa_kv.items():
+        out[f"csa{i}"] = gather_rows(t, table[GROUP_CSA], 0, n // cfg.csa_ratio)
+        out[f"csa_index{i}"] = gather_rows(cache.csa_index[i], table[GROUP_CSA], 0, n // cfg.csa_ratio)
+    for i, t in cache.hca_kv.items():
+        out[f"hca{i}"] = gather_rows(t, table[GROUP_HCA], 0, n // cfg.hca_ratio)
+    return out
+
+
+def _run_until(llm, prompt: list[int], steps: int | None, computed: int | None):
+    llm.engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    req = llm.scheduler.requests["r"]
+    n = 0
+    while (steps is not None and n < steps) or (computed is not None and req.num_computed_tokens < computed):
+        llm.step()
+        n += 1
+    return req
+
+
+@pytest.mark.parametrize("widened", [True, False])
+def test_rollback_leaves_kv_equal_to_a_never_speculated_run(ckpt, monkeypatch, widened):
+    """Random drafts (nearly all rejected) through the compiled verify graphs: the window
+    rows, CSA keys / indexer keys and HCA entries of every valid position equal those of a
+    run without speculation on the same path. Without the compressor rings' extra rows
+    (spec/kv.py) rejected drafts overwrite history the next step pools: the KV differs."""
+    if not widened:
+        import deepinfer.spec.kv as kv
+
+        monkeypatch.setattr(kv, "widen_compressor_rings", lambda cache, k: None)
+    monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_WARMUP", "1")
+    prompt = mixed_prompts()[4]  # 133 tokens: HCA (ratio 128) has an entry
+    spec_llm = make_llm(ckpt, num_speculative_tokens=5, max_num_seqs=2)
+    spec_llm.runner.spec.drafter = RandomDrafter(VOCAB)
+    req = _run_until(spec_llm, prompt, steps=14, computed=None)
+    m = spec_llm.runner.spec.metrics
+    assert m.steps >= 10 and max(m.acceptance_per_position()) < 0.2  # rejections every step
+    n = len(prompt) + req.num_output_tokens - 1  # valid KV: the prompt and every output token but the last
+    assert n > len(prompt) + 8 and req.num_computed_tokens >= n
+    got = _kv_rows(spec_llm, req, n)
+    off = make_llm(ckpt, max_num_seqs=2)
+    ref = _kv_rows(off, _run_until(off, prompt, steps=None, computed=n), n)
+    assert set(got) == set(ref)
+    same = {name: torch.allclose(got[name].float(), ref[name].float(), rtol=1e-4, atol=1e-5) for name in ref}
+    assert all(same.values()) == widened, same
+
+
+class _PartlyRight(RandomDrafter):
+    """Random drafts after a known-right prefix of random length (random weights accept
+    nothing on their own): verify steps with accepted runs of every length."""
+
+    def __init__(self, known: dict[str, list[int]], vocab: int) -> None:
+        super().__init__(vocab)
+        self.known, self.rng = known, __import__("random").Random(5)
+
+    def propose(self, ctx, k):
+        out = super().propose(ctx, k)
+        for r, emitted in zip(ctx.scheduled, ctx.emitted):
+            d = out.get(r.req_id)
+            if d is not None and emitted is not None:
+                done, j = r.output_len + len(emitted), self.rng.randrange(k + 1)
+                d.tokens = (self.known[r.req_id][done: done + j] + d.tokens[j:])[:k]
+        return out
+
+
+def test_invariant_mode_speculative_greedy_equals_off_bitwise(ckpt, monkeypatch):
+    """Batch-invariant mode on the compiled executor: with speculation every step (prompt
+    chunks and verify rows) runs the mode's per-row kernels and the decode head, so the
+    greedy tokens and their log-probs are the bits the non-speculative engine's invariant
+    decode graphs give (the reference path rounds differently)."""
+    monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
+    monkeypatch.setenv("DEEPINFER_FAST_PREFILL", "ref")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
+    prompts, params = mixed_prompts()[:4], PARAMS[:4]
+    off = make_llm(ckpt, batch_invariant=True, max_num_batched_tokens=64)
+    base = off.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert off.runner.fast.stats["graph_steps"] > 0  # the off engine decoded in its graphs
+    llm = make_llm(ckpt, batch_invariant=True, num_speculative_tokens=3, max_num_batched_tokens=64)
+    spec = llm.runner.spec
+    spec.drafter = _PartlyRight({f"req-{i}": o.token_ids for i, o in enumerate(base)}, VOCAB)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    lp = [[float(x) for x in o.logprobs] if o.logprobs is not None else None for o in outs]
+    assert spec.metrics.mean_accepted_length > 0.5  # verify rows really emitted tokens
+    assert lp == [[float(x) for x in o.logprobs] if o.logprobs is not None else None for o in base]
+    assert spec._prefill is not None and spec._prefill.counts["invariant_steps"] > 0
+    assert spec._verify is None or spec._verify.counts["steps"] == 0  # no default-mode verify graph in the mode
