@@ -7,8 +7,9 @@ against the eager drafter, on the trained ``deepinfer-tiny-dspark`` through `LLM
    requests (there the graph and the eager pass run the same shapes; padded steps are
    reported apart: bf16 GEMMs of other shapes may round differently), and the largest
    confidence difference.
-2. Draft-step time: the same steps timed each (device synced before and after), median ms
-   per step per batch, eager and graphed, and the graph set's capture time.
+2. Draft-step time (feature writes + block pass + sampling): the same steps timed each
+   (device synced before and after), median ms per step per batch, eager and graphed, and
+   the graph sets' capture time.
 3. End to end: DSpark k=5 fixed with the eager drafter and with the graphed one (same
    engine: the drafter's graphs switched off and on), and off, at each batch: tok/s per
    user, tok/s total, effective tokens per step, acceptance per position.
@@ -100,16 +101,16 @@ def run_ids(llm: LLM, texts: list[str] | None, batch: int, tokens: int, seeded: 
 def compare_steps(llm: LLM, texts: list[str], batch: int, tokens: int, seeded: bool) -> dict:
     """Each draft step by the eager fused drafter and by the graph, timed, on the same context."""
     drafter = llm.runner.spec.drafter
-    real, graphs, rows = drafter.propose, drafter.graphs, []
+    real, graphs, feats, rows = drafter.propose, drafter.graphs, drafter.feature_graphs, []
 
     def propose(ctx, k):
-        drafter.graphs = None
+        drafter.graphs = drafter.feature_graphs = None
         sync()
         t0 = time.perf_counter()
         eager = real(ctx, k)
         sync()
         t1 = time.perf_counter()
-        drafter.graphs = graphs
+        drafter.graphs, drafter.feature_graphs = graphs, feats
         out = real(ctx, k)
         sync()
         t2 = time.perf_counter()
@@ -123,7 +124,7 @@ def compare_steps(llm: LLM, texts: list[str], batch: int, tokens: int, seeded: b
     try:
         run_ids(llm, texts, batch, tokens, seeded)
     finally:
-        drafter.propose, drafter.graphs = real, graphs
+        drafter.propose, drafter.graphs, drafter.feature_graphs = real, graphs, feats
     full = [r for r in rows if r[0] == batch] or rows  # steps with every request drafting
     # the graph pads a step to its bucket: only steps of exactly a bucket's rows run the very
     # shapes the eager pass runs (other steps may round differently in bf16: reported apart)
@@ -218,14 +219,15 @@ def main(argv: list[str] | None = None) -> dict:
     res["graph_buckets"] = drafter.graphs.buckets
     res["steps"] = [compare_steps(llm, texts, b, min(args.tokens, 32), seeded)
                     for seeded in (False, True) for b in args.batches]
-    graphs = drafter.graphs
+    graphs, feats = drafter.graphs, drafter.feature_graphs
     res["eager_drafter"], res["graphed_drafter"] = [], []
     for b in args.batches:
-        drafter.graphs = None
+        drafter.graphs = drafter.feature_graphs = None
         res["eager_drafter"].append(timed(llm, texts, b, args.tokens))
-        drafter.graphs = graphs
+        drafter.graphs, drafter.feature_graphs = graphs, feats
         res["graphed_drafter"].append(timed(llm, texts, b, args.tokens))
     res["graph_stats"] = dict(graphs.stats)
+    res["feature_graph_stats"] = dict(feats.stats)
     res["step_curve"] = step_curve(llm, tempfile.mkdtemp(prefix="step_curve_cache_"))
     b1 = args.batches[0]
     greedy_b1 = next(s for s in res["steps"] if s["batch"] == b1 and not s["seeded"])

@@ -120,3 +120,32 @@ def test_draft_graphs_refuse_bad_limits():
         DraftGraphs(lambda inp, g: (inp, None), 4, 0, torch.device("cpu"))
     with pytest.raises(ValueError, match="cols"):
         DraftGraphs(lambda inp, g: (inp, None), 0, 4, torch.device("cpu"))
+
+
+def test_graphed_feature_writes_equal_eager_writes(ckpt, monkeypatch):
+    """Every step's feature rows written through the feature graphs (padded to a power of two,
+    pad rows repeating row 0) leave each stage's window pool as the eager writes do."""
+    llm = _llm(ckpt, monkeypatch, 4)
+    drafter = llm.runner.spec.drafter
+    feats, real = drafter.feature_graphs, drafter._write_features
+    assert feats is not None and feats.graphs.sealed and len(feats.graphs.captured) == len(feats.sizes)
+    pools = [drafter.cache.swa[drafter._cache_id(s)] for s in range(len(drafter.stages))]
+    checked = []
+
+    def write(ctx):
+        before = [p.clone() for p in pools]
+        drafter.feature_graphs = None
+        real(ctx)
+        eager = [p.clone() for p in pools]
+        for p, b in zip(pools, before):
+            p.copy_(b)
+        drafter.feature_graphs = feats
+        real(ctx)
+        for p, e, b in zip(pools, eager, before):
+            torch.testing.assert_close(p, e, atol=1e-6, rtol=1e-5)
+        checked.append(any(not torch.equal(e, b) for e, b in zip(eager, before)))
+
+    drafter._write_features = write
+    llm.generate(prompt_token_ids=_prompts(), sampling_params=GREEDY, use_tqdm=False)
+    assert len(checked) > 3 and all(checked)  # every step wrote rows
+    assert feats.stats["graph_steps"] > 0

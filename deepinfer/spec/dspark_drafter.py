@@ -42,7 +42,7 @@ from deepinfer.engine import rng
 from deepinfer.models.dspark import NO_POSITION
 from deepinfer.models.fast.draft_dspark import N_COLS, block_rows, sample_block, stages_hidden_v4, stages_hidden_v41
 from deepinfer.models.fast.draft_dspark import device_rotary, unpack_block
-from deepinfer.models.fast.draft_graphs import DraftGraphs
+from deepinfer.models.fast.draft_graphs import DraftGraphs, FeatureGraphs
 from deepinfer.models.fast.forward import blocks_supported
 from deepinfer.models.kv_cache import GROUP_SWA, KVCache, paged_slots
 from deepinfer.models.registry import family_of
@@ -60,6 +60,7 @@ class DSparkDrafter(Drafter):
     lookahead = 0  # the block's own K/V stay in the pass; nothing beyond verified tokens is written
     #: the captured draft steps (`prepare_graphs`), None = the eager drafter
     graphs: DraftGraphs | None = None
+    feature_graphs: FeatureGraphs | None = None
     _n_graph = 0
 
     def __init__(self, model, cache: KVCache, k: int) -> None:
@@ -92,9 +93,8 @@ class DSparkDrafter(Drafter):
     def features(self, hidden: dict[int, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
         """main_norm(main_proj(concat over target layers of mean-over-hc input streams)) for
         the given rows of the step: [L] -> [L, D]."""
-        feats = torch.cat([hidden[i][rows].mean(dim=1) for i in self.target_layers], dim=-1)
         s0 = self.stages[0]
-        return s0.main_norm(s0.main_proj(feats))
+        return s0.main_norm(s0.main_proj(self._target_features(hidden, rows)))
 
     def _write_features(self, ctx: DraftContext) -> None:
         rows, positions, tables = [], [], []  # per written row: step row, position, its request's swa table
@@ -109,14 +109,29 @@ class DSparkDrafter(Drafter):
         if not rows:
             return
         dev = ctx.streams.device
+        flat = np.concatenate([paged_slots(t, start, n, self._rows_per_block()) for t, start, n in tables])
+        if self.feature_graphs is not None:  # the projections and every stage's write in one replay
+            rows_t = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(dev)
+            self.feature_graphs.run(self._target_features(ctx.hidden, rows_t), positions, flat)
+            return
         main_x = self.features(ctx.hidden, torch.tensor(rows, device=dev))
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        slots = torch.from_numpy(np.concatenate([paged_slots(t, start, n, self._rows_per_block())
-                                                 for t, start, n in tables])).to(dev)
+        self._write_context(main_x, pos, torch.from_numpy(flat).to(dev), self.model.rotary_main)
+
+    def _target_features(self, hidden: dict[int, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        """Concat over target layers of the mean-over-hc input streams of ``rows``: [L, n * D]."""
+        return torch.cat([hidden[i][rows].mean(dim=1) for i in self.target_layers], dim=-1)
+
+    def _write_context(self, main_x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, rotary) -> None:
+        """Every stage's context K/V of the rows ``main_x`` at ``pos`` into its window pool rows ``slots``."""
         for s, stage in enumerate(self.stages):  # one scatter per stage for every request
             pool = self.cache.swa[self._cache_id(s)]
-            kv = stage.context_kv(main_x, pos, self.model.rotary_main)
+            kv = stage.context_kv(main_x, pos, rotary)
             pool.view(-1, *pool.shape[2:])[slots] = kv.to(pool.dtype)
+
+    def _feature_body(self, x: torch.Tensor, ints: torch.Tensor) -> None:
+        s0 = self.stages[0]
+        self._write_context(s0.main_norm(s0.main_proj(x)), ints[0], ints[1], self._rotary)
 
     # ------------------------------------------------------------------ drafting
     @torch.no_grad()
@@ -179,7 +194,7 @@ class DSparkDrafter(Drafter):
         sampling mode, `fast/draft_graphs.py`) when the runner has the fast path's ops, the
         stages fit the fused MoE and batch-invariant mode is off; ``enabled`` False (CUDA
         graphs off) keeps the eager drafter. Returns whether the graphed drafter is on."""
-        self.graphs = None
+        self.graphs = self.feature_graphs = None
         if not enabled or self.fast_ops is None or batch_invariant.enabled() or not blocks_supported(self.stages):
             return False
         self._n_graph = min(self.k, self.gamma)
@@ -192,6 +207,12 @@ class DSparkDrafter(Drafter):
         template[3], template[4] = 1, _float_bits(1.0)  # greedy at temperature 1, position 0, slot 0
         graphs.warmup(template)
         self.graphs = graphs
+        # feature writes: up to every request's token and drafts of a verify step per graph
+        dev = self.model.embed.weight.device
+        feats = FeatureGraphs(self._feature_body, len(self.target_layers) * self.cfg.hidden_size,
+                              self.model.embed.weight.dtype, max_num_seqs * (self.k + 1), dev)
+        feats.warmup(0, 0)  # zero features at block 0's row 0: rewritten before any request reads it
+        self.feature_graphs = feats
         return True
 
     def _graph_body(self, hidden, inp: torch.Tensor, greedy_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,4 +1,5 @@
-"""CUDA graphs of a drafter's step, one per (batch bucket, sampling mode), captured at start-up.
+"""CUDA graphs of a drafter's step, one per (batch bucket, sampling mode), captured at start-up
+(and :class:`FeatureGraphs`: the drafter's per-row feature writes into the paged cache).
 
 A draft step of R requests pads to the smallest bucket of ``decode_graphs.BUCKETS`` >= R
 (up to the one holding ``max_num_seqs``) and replays the graph captured for it: the
@@ -92,4 +93,55 @@ class DraftGraphs:
         return packed[:r].tolist(), (q[:r].clone() if q is not None else None)
 
 
-__all__ = ["DraftGraphs", "MODES"]
+class FeatureGraphs:
+    """Captured writes of per-row drafter features into the paged cache (DSpark's context
+    rows), one graph per power-of-two row count up to ``max_rows``.
+
+    ``body(x, ints)``: x [T, F] features in the model dtype, ints [2, T] int64 (positions,
+    flat pool rows) -> writes only. Rows past the real ones repeat row 0 (same features,
+    position and pool row: the same value written twice), so padding writes nothing new.
+    More rows than the largest graph run the body eagerly on the real rows (counted)."""
+
+    def __init__(self, body: Callable[[torch.Tensor, torch.Tensor], Any], width: int, dtype: torch.dtype,
+                 max_rows: int, device: torch.device) -> None:
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"FeatureGraphs: max_rows must be an int >= 1, got {max_rows!r}")
+        self.body, self.device = body, device
+        self.sizes = [1 << i for i in range(max(1, max_rows - 1).bit_length() + 1)]
+        self.graphs = DecodeGraphs(device)
+        self._x = {n: torch.zeros(n, width, dtype=dtype, device=device) for n in self.sizes}
+        self._ints = {n: torch.zeros(2, n, dtype=torch.int64, device=device) for n in self.sizes}
+        self.stats = {"graph_steps": 0, "eager_steps": 0}
+
+    def warmup(self, pos: int, slot: int) -> None:
+        """Capture every size, the largest first, writing zero features at one pool row
+        (``slot``, position ``pos``: a row no request holds yet), then seal."""
+        for n in sorted(self.sizes, reverse=True):
+            self._ints[n][0].fill_(pos)
+            self._ints[n][1].fill_(slot)
+            self.graphs.capture(n, (self._x[n], self._ints[n]), self._fn)
+        self.graphs.seal()
+
+    def _fn(self, arg: tuple[torch.Tensor, torch.Tensor]) -> Any:
+        return self.body(*arg)
+
+    def run(self, x: torch.Tensor, positions: np.ndarray, slots: np.ndarray) -> None:
+        """Write the features of T rows (x [T, F] on the device) at their positions / pool rows."""
+        t = x.shape[0]
+        n = next((m for m in self.sizes if m >= t), None)
+        ints = np.stack([np.asarray(positions, dtype=np.int64), np.asarray(slots, dtype=np.int64)])
+        if n is None:
+            self.stats["eager_steps"] += 1
+            self.body(x, torch.from_numpy(ints).to(self.device))
+            return
+        full = np.empty((2, n), dtype=np.int64)
+        full[:, :t], full[:, t:] = ints, ints[:, :1]
+        self._ints[n].copy_(torch.from_numpy(full))
+        buf = self._x[n]
+        buf[:t].copy_(x)
+        buf[t:].copy_(x[:1].expand(n - t, -1))
+        self.graphs.replay(n, (buf, self._ints[n]), self._fn)
+        self.stats["graph_steps"] += 1
+
+
+__all__ = ["DraftGraphs", "FeatureGraphs", "MODES"]
