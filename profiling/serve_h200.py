@@ -19,7 +19,9 @@ sizes its KV cache from free memory, so they cannot share the GPU), once per eng
 (``--engine-client process``, the default, then ``thread``): the targets are the default's,
 the thread client's numbers stand beside them. Each server run also reads the engine's own
 step count and busy seconds from /metrics: the mean step time and the engine's duty cycle
-(busy / wall) say whether a slow server is a slowed step (GIL contention) or a starved one. Writes
+(busy / wall) say whether a slow server is a slowed step (GIL contention) or a starved one;
+and at low load the server's own TTFT (engine client queue -> first delta), so that the
+client's TTFT splits into engine time and HTTP / admission / SSE time. Writes
 ``serve_h200_<commit>.json`` (commit, hardware, config, every number, a ``targets`` list of
 {name, value, target, met}) under $OUT (else profiling/results) and prints a short table.
 
@@ -87,19 +89,37 @@ def offline(ckpt: str, engine: dict, args: argparse.Namespace, vocab: int) -> di
     wall = time.perf_counter() - t
     del llm.engine.step
     tok_s = sum(len(o.token_ids) for o in outs) / wall
-    ttft, tpot = [], []
+    ttft, tpot, first_steps = [], [], []
+    durations: list[float] = []
+
+    def timed() -> list:  # how long each engine step call takes (the first launches the prefill)
+        t0 = time.perf_counter()
+        try:
+            return step()
+        finally:
+            durations.append(time.perf_counter() - t0)
+
+    llm.engine.step = timed
     for i in range(args.low_load_repeats):
+        durations.clear()
         o = llm.generate(prompt_token_ids=prompts_for(1, args.prompt_len, vocab, 100 + i), sampling_params=sp,
                          use_tqdm=False)[0]
         m = o.metrics
         ttft.append(m.first_token_time - m.arrival_time)
         tpot.append((m.finished_time - m.first_token_time) / (len(o.token_ids) - 1))
+        first_steps.append(durations[:2])
+    del llm.engine.step
     del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"greedy": greedy, "saturation_tok_s": tok_s, "saturation_wall_s": wall, "mean_step_ms": 1000 * wall / steps[0],
-            "ttft_ms_p50": 1000 * statistics.median(ttft), "tpot_ms_p50": 1000 * statistics.median(tpot)}
+    return {"greedy": greedy, "saturation_tok_s": tok_s, "saturation_wall_s": wall,
+            "mean_step_ms": 1000 * wall / steps[0],
+            "ttft_ms_p50": 1000 * statistics.median(ttft), "tpot_ms_p50": 1000 * statistics.median(tpot),
+            # low load: the first two step() calls of a lone request (the prefill's launch, then the
+            # call that lands it): where its TTFT goes
+            "first_step_calls_ms_p50": [1000 * statistics.median(d[k] for d in first_steps if len(d) > k)
+                                        for k in range(2)]}
 
 
 def compare(srv: dict, off: dict, offline_text: list[list[str]]) -> dict:
@@ -119,8 +139,8 @@ def free_port() -> int:
 def start_server(ckpt: str, engine: dict, port: int, client: str) -> subprocess.Popen:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
     proc = subprocess.Popen([sys.executable, "-m", "deepinfer.cli", "serve", "--model", ckpt, "--port", str(port),
-                             "--max-waiting", "100000", "--engine-client", client, *flags], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                             "--max-waiting", "100000", "--engine-client", client, *flags], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     seen: list[str] = []  # the server's output, for the error when it dies before it is ready
     for line in proc.stdout:
@@ -143,28 +163,40 @@ async def served(url: str, args: argparse.Namespace, vocab: int) -> dict:
     warm = BenchConfig(num_prompts=args.batch, max_concurrency=args.batch, seed=2, **base)
     await run_bench(warm)
     sat = BenchConfig(num_prompts=args.batch, max_concurrency=args.batch, seed=3, **base)
-    before = await engine_counters(url)
+    before = await server_counters(url)
     res, wall, _ = await run_bench(sat)
-    after = await engine_counters(url)
-    steps, busy = after[0] - before[0], after[1] - before[1]
+    after = await server_counters(url)
+    steps, busy = after[STEPS] - before[STEPS], after[BUSY] - before[BUSY]
     engine = {"steps": steps, "mean_step_ms": 1000 * busy / steps if steps else None,
               "duty_cycle": busy / wall if wall else None}
     low = BenchConfig(num_prompts=args.low_load_repeats, max_concurrency=1, seed=100, **base)
+    before = await server_counters(url)
     lres, lwall, _ = await run_bench(low)
+    after = await server_counters(url)
+    # the server's own clocks (request queued at the engine client -> first / last delta): what
+    # the client's TTFT adds beyond them is HTTP, admission and the SSE path
+    inside = {f"{key}_ms_mean": 1000 * (after[f"{m}_sum"] - before[f"{m}_sum"])
+              / max(1.0, after[f"{m}_count"] - before[f"{m}_count"]) for key, m in (("ttft", TTFT), ("tpot", TPOT))}
     return {"greedy_token_text": greedy, "saturation": summarize(sat, res, wall) | {"engine": engine},
-            "low_load": summarize(low, lres, lwall)}
+            "low_load": summarize(low, lres, lwall) | {"server_side": inside}}
 
 
-async def engine_counters(url: str) -> tuple[float, float]:
-    """(engine steps, seconds spent stepping) from the server's /metrics."""
+STEPS, BUSY = "deepinfer:engine_steps_total", "deepinfer:engine_step_seconds_total"
+TTFT, TPOT = "deepinfer:time_to_first_token_seconds", "deepinfer:time_per_output_token_seconds"
+
+
+async def server_counters(url: str) -> dict[str, float]:
+    """Engine steps, seconds spent stepping, and the TTFT / TPOT histograms' sums and counts
+    from the server's /metrics."""
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         text = (await http.get("/metrics")).text
-    values = {}
+    names = (STEPS, BUSY, TTFT + "_sum", TTFT + "_count", TPOT + "_sum", TPOT + "_count")
+    values = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
-        for name in ("deepinfer:engine_steps_total", "deepinfer:engine_step_seconds_total"):
-            if line.startswith(name + "{"):
-                values[name] = float(line.rsplit(" ", 1)[1])
-    return values.get("deepinfer:engine_steps_total", 0.0), values.get("deepinfer:engine_step_seconds_total", 0.0)
+        name = line.split("{", 1)[0]
+        if name in values:
+            values[name] = float(line.rsplit(" ", 1)[1])
+    return values
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -224,14 +256,16 @@ def main(argv: list[str] | None = None) -> dict:
     path = os.path.join(args.out, f"serve_{tag}_{out['commit'][:7]}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1, default=str)
-    print(f"{'':<16} {'sat tok/s':>10} {'ratio':>6} {'step ms':>8} {'duty':>5} {'low TTFT ms':>11} {'low TPOT ms':>11}")
+    print(f"{'':<16} {'sat tok/s':>10} {'ratio':>6} {'step ms':>8} {'duty':>5} {'low TTFT ms':>11} "
+          f"{'(in server)':>11} {'low TPOT ms':>11}")
     print(f"{'offline':<16} {off['saturation_tok_s']:>10.0f} {1:>6.3f} {off['mean_step_ms']:>8.3f} {'':>5} "
-          f"{off['ttft_ms_p50']:>11.2f} {off['tpot_ms_p50']:>11.3f}")
+          f"{off['ttft_ms_p50']:>11.2f} {'':>11} {off['tpot_ms_p50']:>11.3f}")
     for client, srv in servers.items():
-        e = srv["saturation"]["engine"]
+        e, low = srv["saturation"]["engine"], srv["low_load"]
         print(f"{'server/' + client:<16} {srv['saturation']['output_throughput']:>10.0f} "
-              f"{compared[client]['saturation_ratio']:>6.3f} {e['mean_step_ms'] or 0:>8.3f} {e['duty_cycle'] or 0:>5.2f} "
-              f"{srv['low_load']['ttft_ms']['p50']:>11.2f} {srv['low_load']['tpot_ms']['p50']:>11.3f}")
+              f"{compared[client]['saturation_ratio']:>6.3f} {e['mean_step_ms'] or 0:>8.3f} "
+              f"{e['duty_cycle'] or 0:>5.2f} {low['ttft_ms']['p50']:>11.2f} "
+              f"{low['server_side']['ttft_ms_mean']:>11.2f} {low['tpot_ms']['p50']:>11.3f}")
     for t in targets:
         print(f"{'ok ' if t['met'] else 'MISS'} {t['name']}: {t['value']} (target {t['target']})")
     print(path)

@@ -29,6 +29,8 @@ def test_serve_h200_tiny(tmp_path, capsys):
         assert sat["completed"] == 3 and sat["failed"] == 0 and sat["total_output_tokens"] == 12
         engine = sat["engine"]
         assert engine["steps"] >= 4 and engine["mean_step_ms"] > 0 and 0 < engine["duty_cycle"] <= 1.05
+        inside = srv["low_load"]["server_side"]  # the server's own TTFT is part of what the client saw
+        assert 0 < inside["ttft_ms_mean"] <= srv["low_load"]["ttft_ms"]["mean"] and inside["tpot_ms_mean"] > 0
     assert saved["offline"]["mean_step_ms"] > 0 and saved["commit"] and saved["hardware"] == "cpu"
     printed = capsys.readouterr().out
     assert "server/process" in printed and "server/thread" in printed

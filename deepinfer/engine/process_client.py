@@ -35,6 +35,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -208,6 +209,8 @@ def _engine_main(conn: Any, engine_kwargs: dict[str, Any]) -> None:
     from deepinfer.engine.client_base import engine_stats
     from deepinfer.engine.core import EngineCore
 
+    # Ctrl-C reaches the whole process group: the server shuts this process down itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         core = EngineCore(**engine_kwargs)
     except BaseException as exc:  # noqa: BLE001 - reported to the server, which fails to start with it
