@@ -99,6 +99,9 @@ class ProcessEngineClient(StreamingClient):
         self._reader.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine process (killed if it does not leave within ``timeout``); idempotent."""
+        if self._proc.pid is None:  # never started
+            return
         try:
             self._post_command("stop", None)
         except EngineDeadError:

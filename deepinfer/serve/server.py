@@ -52,9 +52,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "answers 503 with Retry-After")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body (413 beyond)")
     p.add_argument("--gil-switch-interval-ms", type=float, default=5.0,
-                   help="sys.setswitchinterval for this process (default: Python's 5 ms). The engine thread drops "
-                   "the GIL in every torch op and must win it back from the event loop; smaller values hand it "
-                   "back sooner (see the README's serving measurements)")
+                   help="sys.setswitchinterval for this process (default: Python's 5 ms). With --engine-client "
+                   "thread the engine thread drops the GIL in every torch op and must win it back from the event "
+                   "loop; smaller values hand it back sooner (see the README's serving measurements)")
     p.add_argument("--engine-client", default="process", choices=["process", "thread"],
                    help="where the engine's step loop runs: its own process (default; the event loop's Python "
                    "never holds up a step) or a thread of the server's process (no pickling; shares the GIL "
