@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -17,6 +18,7 @@ from deepinfer.errors import ConfigError, InvalidRequestError
 from deepinfer.models.tiny import tiny_config, write_tiny_checkpoint
 from deepinfer.parallel.dp_engine import RankFailedError
 from deepinfer.parallel.launcher import listen_store
+from deepinfer.parallel.rank_engine import RankStepError
 
 VOCAB = 512
 KW = dict(dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
@@ -29,6 +31,16 @@ class BrokenParams(SamplingParams):
 
     def for_request(self) -> SamplingParams:
         raise RuntimeError("a user subclass failed")
+
+
+class FailsMidStep(SamplingParams):
+    """A user's SamplingParams subclass that passes admission and then breaks mid-step, when
+    the scheduler's stop check reads it after a forward (a plain ValueError, as user code raises)."""
+
+    def __getattribute__(self, name: str):  # type: ignore[no-untyped-def]
+        if name == "stop_token_ids" and sys._getframe(1).f_globals.get("__name__") == "deepinfer.engine.stop":
+            raise ValueError("a user subclass failed mid-step")
+        return super().__getattribute__(name)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +91,25 @@ def test_ctrl_c_then_next_call_gets_its_own_outputs(engine, reference) -> None:
         assert [o.prompt_token_ids for o in outs] == PROMPTS
 
 
+def test_input_error_mid_step_in_one_rank_fails_the_call_at_once_and_the_engine_serves(engine, reference) -> None:
+    """Rank 1's share breaks after its first step: rank 1 reports the error, rank 0 learns of it
+    at the next step's has-work exchange (not after DEEPINFER_DIST_TIMEOUT_S=3 s), both abort
+    the call, the driver raises it, and the next call runs on the same group."""
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    odd = FailsMidStep(temperature=0, max_tokens=60, ignore_eos=True, seq_seed=1)
+    for failing in (1, 0):  # either rank
+        payloads = [{"prompt_token_ids": [[1, 2]], "sampling_params": [long]} for _ in range(2)]
+        payloads[failing]["sampling_params"] = [odd]
+        start = time.monotonic()
+        with pytest.raises(RankStepError, match=rf"rank {failing} failed mid-step \(ValueError: a user subclass "
+                                                r"failed mid-step\).*the engine keeps serving"):
+            engine._call("generate", payloads)
+        assert time.monotonic() - start < 3, "reported at the next step, not after the collective timeout"
+        assert engine.alive
+        outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=SHORT, use_tqdm=False)
+        assert [o.token_ids for o in outs] == reference
+
+
 def test_stopped_rank_fails_within_the_timeout_and_is_named(engine) -> None:
     listening = _listening([os.getpid(), *(p.pid for p in engine._procs)])
     assert listening and all(a.startswith("127.0.0.1:") for a in listening), listening
@@ -121,3 +152,31 @@ def test_rendezvous_binds_loopback_without_releasing_its_port(monkeypatch) -> No
     from deepinfer.parallel.launcher import dist_host
     with pytest.raises(ConfigError, match="DEEPINFER_DIST_HOST"):
         dist_host()
+
+
+_SHUTDOWN_SCRIPT = r"""
+import os, signal, sys
+from deepinfer import LLM, SamplingParams
+llm = LLM(sys.argv[1], data_parallel_size=2, expert_parallel_size=2, dtype="float32", max_model_len=256,
+          max_num_seqs=8, max_num_batched_tokens=64)
+outs = llm.generate(prompt_token_ids=[[3, 4, 5], [6, 7]], sampling_params=SamplingParams(max_tokens=4),
+                    use_tqdm=False)
+assert len(outs) == 2
+# what Jupyter does on interrupt / kernel shutdown: SIGINT to the kernel's whole process group
+old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+os.killpg(os.getpgid(0), signal.SIGINT)
+signal.signal(signal.SIGINT, old)
+assert len(llm.generate(prompt_token_ids=[[8, 9]], sampling_params=SamplingParams(max_tokens=4),
+                        use_tqdm=False)) == 1
+llm.shutdown()
+print("clean exit")
+"""
+
+
+def test_shutdown_prints_no_traceback(ckpt) -> None:
+    """A normal shutdown of the spawned ranks, also after the process group got a SIGINT (a
+    Jupyter interrupt): no KeyboardInterrupt traceback from a rank blocked in conn.recv()."""
+    run = subprocess.run([sys.executable, "-c", _SHUTDOWN_SCRIPT, ckpt], capture_output=True, text=True,
+                         timeout=120, start_new_session=True)  # its own process group: the SIGINT stays there
+    assert run.returncode == 0 and "clean exit" in run.stdout, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and "KeyboardInterrupt" not in run.stderr, run.stderr[-3000:]

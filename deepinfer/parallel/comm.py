@@ -32,6 +32,10 @@ class EPComm:
             self.rank, self.world_size = 0, 1
         #: all-to-all time / bytes, when DEEPINFER_EP_TIMING=1 (the EP benchmark)
         self.timer = AllToAllTimer() if envs.DEEPINFER_EP_TIMING else None
+        #: collectives this rank has entered: ranks of a group enter the same sequence, so a
+        #: rank that failed mid-step can tell whether it stopped between two of them
+        #: (``RankEngineCore.step``) and may rejoin at the next one
+        self.num_collectives = 0
 
     @property
     def distributed(self) -> bool:
@@ -43,6 +47,7 @@ class EPComm:
         if not self.distributed:
             return x
         out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        self.num_collectives += 1
         token = self.timer.start(x) if self.timer is not None else None
         dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=self.group)
         if self.timer is not None:
@@ -54,6 +59,7 @@ class EPComm:
         if not self.distributed:
             return send_counts
         out = torch.empty_like(send_counts)
+        self.num_collectives += 1
         dist.all_to_all_single(out.view(self.world_size, -1), send_counts.contiguous().view(self.world_size, -1),
                                group=self.group)
         return out
@@ -61,6 +67,7 @@ class EPComm:
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce (``op`` in sum, max, min); returns ``t``."""
         if self.distributed:
+            self.num_collectives += 1
             ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
             dist.all_reduce(t, op=ops[op], group=self.group)
         return t
@@ -70,11 +77,13 @@ class EPComm:
         if not self.distributed:
             return [obj]
         out: list[object] = [None] * self.world_size
+        self.num_collectives += 1
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.distributed:
+            self.num_collectives += 1
             dist.broadcast(t, src=self._global(src), group=self.group)
         return t
 
@@ -85,6 +94,7 @@ class EPComm:
             if sends or recvs:
                 raise RuntimeError("point-to-point transfer requested in a single-rank group")
             return
+        self.num_collectives += 1
         outgoing = {dst: buf.contiguous() for dst, buf in sends.items()}  # alive until every wait()
         ops = [dist.P2POp(dist.irecv, buf, self._global(src), self.group, tag) for src, buf in recvs.items()]
         ops += [dist.P2POp(dist.isend, buf, self._global(dst), self.group, tag) for dst, buf in outgoing.items()]
@@ -94,6 +104,7 @@ class EPComm:
 
     def barrier(self) -> None:
         if self.distributed:
+            self.num_collectives += 1
             dist.barrier(group=self.group)
 
     def _global(self, group_rank: int) -> int:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import traceback
 from dataclasses import dataclass, field
@@ -191,6 +192,11 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Any) -> None:
     """Entry point of a spawned rank: join the group, build the engine, serve commands."""
     from deepinfer.parallel.rank_engine import RankLLM
 
+    # Ctrl-C (and Jupyter's interrupt / shutdown, which signal the kernel's whole process
+    # group) is the driver's to handle: it abandons the call (its replies are dropped as
+    # stale) or shuts the ranks down through the pipe. A rank interrupted in conn.recv()
+    # would only print a KeyboardInterrupt traceback and leave its peers in a collective.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     call_id = 0  # the start-up reply's id; then every reply echoes its command's id
 
     def reply(status: str, value: Any) -> None:

@@ -33,27 +33,60 @@ __all__ = ["RankEngineCore", "RankLLM", "PeerRejectedError"]
 
 
 class PeerRejectedError(DeepInferError):
-    """Another rank rejected its share of a generate() call; nothing was run."""
+    """Another rank rejected its share of a generate() call (nothing was run), or failed
+    mid-step (this rank's requests of the call were aborted)."""
+
+
+class RankStepError(DeepInferError):
+    """This rank's step failed outside the group's collectives (an input its requests carry,
+    e.g. a user's SamplingParams subclass, or a grammar failing mid-generation): the call's
+    requests were aborted on every rank, and the group still serves."""
+
+
+class _InSync(Exception):
+    """A step failure after which this rank has entered every collective of the step."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class _LockstepRunner:
     """Wraps the engine's runner: EPLB step bookkeeping around every execute, and a dummy
-    MoE pass when this rank has nothing scheduled."""
+    MoE pass when this rank has nothing scheduled (or failed before its forward)."""
 
     def __init__(self, inner: Any, engine: RankEngineCore) -> None:
         self.inner, self.engine = inner, engine
+        #: collectives of one forward (measured on a good one; the same on every rank)
+        self.forward_collectives: int | None = None
 
     def execute(self, so: SchedulerOutput, *args: Any, **kwargs: Any) -> ModelRunnerOutput:
-        eplb = self.engine.eplb
+        eplb, comm = self.engine.eplb, self.engine.comm
         if eplb is not None:
             eplb.begin_step()
+        failure: Exception | None = None
+        start = comm.num_collectives
         if so.scheduled:
-            out = self.inner.execute(so, *args, **kwargs)
+            try:
+                out = self.inner.execute(so, *args, **kwargs)
+                self.forward_collectives = comm.num_collectives - start
+            except Exception as exc:  # noqa: BLE001 - re-raised below, or the group is broken anyway
+                done = comm.num_collectives - start
+                if done == 0:  # before the forward (inputs): join the peers' all-to-alls empty-handed
+                    self.engine.dummy_moe_pass()
+                elif done != self.forward_collectives:
+                    raise  # inside the forward: the peers wait in a collective this rank left
+                failure = exc
+                out = ModelRunnerOutput([], [])
         else:
             self.engine.dummy_moe_pass()
+            self.forward_collectives = comm.num_collectives - start
             out = ModelRunnerOutput([], [])
         if eplb is not None:
             eplb.end_step()
+        self.engine.executed_this_step = True
+        if failure is not None:
+            raise _InSync(failure)
         return out
 
     def __getattr__(self, name: str) -> Any:
@@ -77,6 +110,9 @@ class RankEngineCore(EngineCore):
         self._initial_placement = placement
         self.eplb: EPLBController | None = None
         self.ep_layers: list[ExpertParallelMoE] = []
+        #: the exception of this rank's failed step, reported to the group at the next has_unfinished
+        self.step_error: Exception | None = None
+        self.executed_this_step = False
         super().__init__(model, tokenizer, **kwargs)
 
     # ---- construction ----------------------------------------------------------------
@@ -106,12 +142,51 @@ class RankEngineCore(EngineCore):
         self.runner = _LockstepRunner(self.runner, self)
 
     # ---- lockstep ----------------------------------------------------------------------
+    def step(self) -> list:
+        """One lockstep step. A failure outside the group's collectives (before this rank's
+        forward, or after it: sampling, grammars, detokenization) is caught: the rank still
+        enters every collective of the step, aborts its requests and reports the error at
+        the next ``has_unfinished``, where every rank learns of it at once (no rank waits
+        for a collective timeout, and the group keeps serving). A failure inside the
+        forward leaves the peers in a collective: it propagates (the group is broken)."""
+        self.executed_this_step = False
+        start = self.comm.num_collectives
+        try:
+            return super().step()
+        except _InSync as exc:
+            error = exc.error
+        except Exception as exc:  # noqa: BLE001 - reported to the group below
+            if not self.executed_this_step:
+                if self.comm.num_collectives != start:
+                    raise
+                self.runner.execute(SchedulerOutput())  # the step's collectives, with nothing scheduled
+            error = exc
+        self.step_error = error
+        self._abort_all()
+        return []
+
+    def _abort_all(self) -> None:
+        for rid in [*self.scheduler.requests, *self.structured.pending]:
+            self.abort(rid)
+
     def has_unfinished(self) -> bool:
         local = super().has_unfinished()
+        failed = -1
         if self.comm.world_size == 1:
+            failed = self.comm.rank if self.step_error is not None else -1
+        else:
+            flag = torch.tensor([1 if local else 0, 0 if self.step_error is None else self.comm.rank + 1],
+                                dtype=torch.int64, device=self.device)
+            self.comm.all_reduce(flag, "max")
+            local, failed = bool(flag[0].item()), int(flag[1].item()) - 1
+        if failed < 0:
             return local
-        flag = torch.tensor([1 if local else 0], dtype=torch.int64, device=self.device)
-        return bool(self.comm.all_reduce(flag, "max").item())
+        self._abort_all()
+        error, self.step_error = self.step_error, None
+        if error is not None:
+            raise RankStepError(f"rank {self.comm.rank} failed mid-step ({type(error).__name__}: {error}); this "
+                                f"call's requests were aborted on every rank, the engine keeps serving") from error
+        raise PeerRejectedError(f"rank {failed} failed mid-step; this rank's requests of the call were aborted")
 
     @torch.no_grad()
     def dummy_moe_pass(self) -> None:
