@@ -15,6 +15,8 @@ against the eager drafter, on the trained ``deepinfer-tiny-dspark`` through `LLM
    user, tok/s total, effective tokens per step, acceptance per position.
 4. The confidence scheduler's step-time curve (spec/step_curve.py): the start-up profile's
    seconds on a cache miss and on the reload from the user cache dir, its points.
+5. V4.1 (random tiny V4.1 checkpoint, three DSpark stages): the graphed draft steps against
+   the eager (reference-module) drafter, greedy and seeded, batches 1 and 8.
 
 Writes ``spec_draft_h200_<commit>.json`` under --out (default $OUT or profiling/results)
 with commit, hardware, config and a ``targets`` list of {name, value, target, met}; prints
@@ -74,6 +76,23 @@ def tiny_checkpoint() -> str:
     path = tempfile.mkdtemp(prefix="spec_draft_tiny_")
     write_tiny_checkpoint(path, seed=3, cfg=tiny_dspark_config(vocab_size=512, sliding_window=32))
     return path
+
+
+def v41_check(args) -> dict:
+    """V4.1's three DSpark stages (random tiny V4.1 checkpoint, shifted hyper-connections):
+    graphed drafts vs the eager drafter (the reference modules: its stages have no fused eager
+    pass, so bf16 rounding may differ; reported, not a target) and that the graphs ran."""
+    from deepinfer.models.tiny import tiny_v41_config, write_tiny_checkpoint
+
+    path = tempfile.mkdtemp(prefix="spec_draft_v41_")
+    write_tiny_checkpoint(path, seed=11, cfg=tiny_v41_config(vocab_size=1024, sliding_window=32))
+    llm = LLM(path, dtype=args.dtype if args.tiny else "bfloat16", max_model_len=256, max_num_seqs=8,
+              max_num_batched_tokens=256, num_speculative_tokens=3)
+    drafter = llm.runner.spec.drafter
+    if drafter.graphs is None:
+        return {"graphed": False}
+    rows = [compare_steps(llm, None, b, 8, seeded) for seeded in (False, True) for b in (1, 8)]
+    return {"graphed": True, "steps": rows, "graph_steps": drafter.graphs.stats["graph_steps"]}
 
 
 def make(args, k: int) -> LLM:
@@ -229,6 +248,9 @@ def main(argv: list[str] | None = None) -> dict:
     res["graph_stats"] = dict(graphs.stats)
     res["feature_graph_stats"] = dict(feats.stats)
     res["step_curve"] = step_curve(llm, tempfile.mkdtemp(prefix="step_curve_cache_"))
+    del llm
+    gc.collect()
+    res["v41"] = v41_check(args)
     b1 = args.batches[0]
     greedy_b1 = next(s for s in res["steps"] if s["batch"] == b1 and not s["seeded"])
     eager_b1, graph_b1 = res["eager_drafter"][0], res["graphed_drafter"][0]
@@ -240,6 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
              (greedy_b1["graph_ms"] or 0) / max(1e-9, greedy_b1["eager_ms"] or 0), 0.5, "<="),
             (f"DSpark k=5 per-user tok/s b{b1}, graphed / eager drafter",
              graph_b1["tok_s_per_user"] / max(1e-9, eager_b1["tok_s_per_user"]), 1.0, ">="),
+            ("V4.1 DSpark (3 stages) draft steps replayed from graphs", float(res["v41"].get("graph_steps", 0)),
+             1.0, ">="),
             ("start-up step curve reloaded from the cache (== profiled, source cached:)",
              float(res["step_curve"]["reloaded_equal"] and res["step_curve"]["hit_source"].startswith("cached:")),
              1.0, ">=")]
@@ -260,6 +284,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{'':8} {o['batch']:>5} {o['tok_s_per_user']:>9} {e['tok_s_per_user']:>10} {g['tok_s_per_user']:>10} "
               f"{o['tok_s_total']:>9} {e['tok_s_total']:>9} {g['tok_s_total']:>9}  {g['acceptance_per_position']}")
     print("step curve:", res["step_curve"])
+    for s in res["v41"].get("steps", []):
+        print(f"V4.1 b{s['batch']} seeded={s['seeded']}: tokens equal {s['tokens_equal_share_all_steps']} of "
+              f"{s['steps']} steps, eager {s['eager_ms']} ms, graph {s['graph_ms']} ms")
     for t in res["targets"]:
         print(f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {t['value']} (target {t['target']})")
     print(path, f"{res['seconds']} s")

@@ -27,7 +27,9 @@ def test_spec_draft_bench_tiny(tmp_path, monkeypatch):
     assert data["commit"] and data["hardware"] == "cpu" and data["config"]["k"] == 5
     assert {s["batch"] for s in data["steps"]} == {1, 2} and all(s["steps"] > 0 for s in data["steps"])
     assert all(s["tokens_equal_share"] == s["tokens_equal_share_all_steps"] == 1.0 for s in data["steps"])
-    assert data["graph_stats"]["graph_steps"] > 0
+    assert data["graph_stats"]["graph_steps"] > 0 and data["feature_graph_stats"]["graph_steps"] > 0
+    assert data["v41"]["graphed"] and data["v41"]["graph_steps"] > 0
+    assert all(s["tokens_equal_share_all_steps"] == 1.0 for s in data["v41"]["steps"])  # float32 on the host
     names = [t["name"] for t in data["targets"]]
     assert len(names) == len(set(names)) >= 4
     assert all(set(t) == {"name", "value", "target", "met"} and isinstance(t["met"], bool) for t in data["targets"])
