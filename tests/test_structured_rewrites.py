@@ -166,3 +166,24 @@ def test_llguidance_defects_are_guarded() -> None:
             assert a == "structured_output", (schema, b)
         else:
             assert b is True, f"an output of {schema} fails it"
+
+
+def test_required_names_outside_properties_are_not_xgrammars(pool, fresh_seed: int) -> None:  # type: ignore
+    """xgrammar's strict mode drops a 'required' name that 'properties' does not list (it
+    emitted {} for this schema, which fails it): such schemas go to llguidance, whose walks
+    all carry the name."""
+    schema = {"type": "object", "properties": {"level": {"type": "integer"}}, "required": ["type"]}
+    with pytest.raises(InvalidRequestError, match=r"'required' names \['type'\] not listed in 'properties'"):
+        plan_spec(StructuredOutputSpec("json", schema), "xgrammar")
+    backend, texts = _walk(pool, schema, fresh_seed)
+    assert backend == "llguidance" and texts and all("type" in json.loads(t) for t in texts)
+
+
+def test_bench_validator_takes_multiple_of_in_decimal() -> None:
+    from deepinfer.structured.corpus_bench import validator_for
+
+    cents = validator_for({"type": "number", "multipleOf": 0.01})
+    assert cents.is_valid(8518026.28) and not cents.is_valid(8518026.285)  # jsonschema's float division: neither
+    assert not V({"type": "number", "multipleOf": 0.01}).is_valid(8518026.28)  # why the bench has its own
+    sevens = validator_for({"type": "integer", "multipleOf": 7, "minimum": 10})
+    assert sevens.is_valid(14) and not sevens.is_valid(8185) and not sevens.is_valid(7)

@@ -126,6 +126,13 @@ def _check_keywords(schema: dict, where: str, root: Any) -> None:
         # xgrammar's JSON-pattern conversion accepts e.g. "11:29:322-12:12" for the time
         # pattern (an optional fraction group before the zone alternation is misread)
         raise _err(where, "JSON schema format 'time' / 'date-time' is not enforced exactly by the xgrammar backend")
+    required, props = schema.get("required"), schema.get("properties")
+    if isinstance(required, list):
+        listed = props if isinstance(props, dict) else {}
+        missing = [r for r in required if r not in listed]
+        if missing:  # strict mode (no unlisted keys) drops such a requirement instead of refusing
+            raise _err(where, f"JSON schema 'required' names {missing[:5]} not listed in 'properties': the "
+                              f"xgrammar backend does not enforce them")
     for key in _IGNORED:
         if key in schema:
             raise _err(where, f"JSON schema keyword {key!r} is not enforced by the grammar backend; "

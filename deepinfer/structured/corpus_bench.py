@@ -8,7 +8,7 @@ For each schema of a corpus sample (``corpus.py``), through the engine's own pat
    admission included in the time, as a request sees it);
 3. one ``LLM.generate`` over every admitted schema at once (temperature 1, ``max_tokens``),
    each output classified: ``valid`` (finished "stop" and validates with jsonschema, formats
-   checked), ``invalid`` (finished "stop" and does not: the number that must be 0), or
+   checked, ``multipleOf`` in decimal arithmetic: ``validator_for``), ``invalid`` (finished "stop" and does not: the number that must be 0), or
    ``length`` (ran out of tokens; incomplete output is never "stop").
 
 ``admission_only`` runs step 1 alone (no vocabulary work), fast enough for a whole corpus.
@@ -20,11 +20,12 @@ import json
 import statistics
 import time
 from collections import Counter
+from decimal import Decimal
 from typing import Any
 
 from deepinfer.errors import InvalidRequestError
 
-__all__ = ["admission_only", "run_corpus", "percentile"]
+__all__ = ["admission_only", "run_corpus", "percentile", "validator_for"]
 
 _PROMPT = "Produce one JSON value that follows this JSON schema.\nSchema: {schema}\nJSON: "
 
@@ -44,11 +45,29 @@ def _reason(error: Exception) -> str:
     return text.split(";")[0][:160]
 
 
-def _validator(schema: dict) -> Any:
+def _exact_multiple_of(validator: Any, divisor: Any, instance: Any, schema: dict) -> Any:
+    """``multipleOf`` in decimal arithmetic, as JSON Schema defines it on the JSON number: jsonschema
+    divides binary floats, so e.g. 8518026.28 "is not a multiple of 0.01" there."""
+    import jsonschema
+
+    if not validator.is_type(instance, "number"):
+        return
+    quotient = Decimal(repr(instance)) / Decimal(repr(divisor))
+    if quotient != quotient.to_integral_value():
+        yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor!r}")
+
+
+def validator_for(schema: dict) -> Any:
+    """The jsonschema validator of the schema's draft (2020-12 by default), formats checked,
+    ``multipleOf`` decimal-exact."""
     import jsonschema
 
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    cls = jsonschema.validators.extend(cls, {"multipleOf": _exact_multiple_of})
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+_validator = validator_for
 
 
 def admission_only(items: list[tuple[str, str, str]], mode: str | None = None) -> dict[str, Any]:
