@@ -264,3 +264,21 @@ def test_a_grammar_slower_than_the_limit_is_refused_never_run_unchecked(llm: LLM
                                      use_tqdm=False)
     assert constrained.finish_reason == "stop" and re.fullmatch("(slow|grammar)[0-9]", constrained.text)
     assert len(free.token_ids) == 4
+
+
+def test_a_grammar_layer_failure_at_compile_is_an_admission_error(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend failing in its compile worker (xgrammar's C++ "Check failed" stood in for:
+    no real schema that passes the parser fails there now) is refused before anything is
+    queued, naming the field; the engine serves the next call."""
+    def failing_compile(self: GrammarCompilerPool, spec: object) -> object:
+        raise RuntimeError("[12:00:00] grammar_compiler.cc:1: Check failed: (false) is false: boom")
+
+    monkeypatch.setattr(GrammarCompilerPool, "_compile", failing_compile)
+    spec = {"regex": "(layer|failure)[0-9]"}  # not compiled before in this module (no cache hit)
+    with pytest.raises(InvalidRequestError, match=r"sampling_params\[1\].*grammar compilation failed.*Check "
+                                                  r"failed") as info:
+        llm.generate(["a", "b"], [sp(None, max_tokens=3), sp(None, structured_output=spec)], use_tqdm=False)
+    assert info.value.field == "structured_output"
+    assert not llm.scheduler.has_unfinished() and not llm.structured.has_pending()
+    monkeypatch.undo()
+    assert llm.generate(["a"], sp(None, structured_output=spec), use_tqdm=False)[0].finish_reason == "stop"
