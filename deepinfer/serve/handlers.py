@@ -83,6 +83,11 @@ class Handlers:
 
     async def _first_deltas(self, streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, StreamDelta]]:
         """Deltas of all choices, interleaved as they arrive; closing it aborts the unfinished ones."""
+        if len(streams) == 1:  # one choice (nearly every request): no pump task and queue per delta
+            async with aclosing(streams[0]) as only:
+                async for d in only:
+                    yield 0, d
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, it: AsyncIterator) -> None:
