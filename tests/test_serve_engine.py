@@ -1,6 +1,7 @@
 """EngineCore and AsyncEngineClient without HTTP: streamed deltas add up to the offline
 output, an abort frees the request's KV blocks within one engine step, the waiting queue
-is bounded, and LLM is a client of the core (no subclass, no callback into LLM)."""
+is bounded, a request whose consumer's event loop closed is aborted, a slow consumer's
+merged deltas add up, and LLM is a client of the core (no subclass, no callback into LLM)."""
 
 from __future__ import annotations
 

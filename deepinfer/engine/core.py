@@ -8,9 +8,10 @@
     out = core.output("a")                 # the finished RequestOutput
     core.abort("b")                        # frees b's KV blocks now
 
-Clients: `deepinfer.llm.LLM` (offline, a closed batch) and
-`deepinfer.engine.async_client.AsyncEngineClient` (the server: requests arrive over time,
-deltas streamed). Nothing here knows about either. Output processing (detokenization,
+Clients: `deepinfer.llm.LLM` (offline, a closed batch) and the server's engine clients
+(requests arrive over time, deltas streamed): `deepinfer.engine.process_client.ProcessEngineClient`
+(this core in its own process) and `deepinfer.engine.async_client.AsyncEngineClient` (on a
+thread). Nothing here knows about any of them. Output processing (detokenization,
 stop strings, deltas) is `deepinfer.engine.output_processor`.
 """
 
