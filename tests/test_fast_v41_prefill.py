@@ -38,14 +38,15 @@ def ckpt(tmp_path_factory):
 PROMPTS = [[(5 * i + 11 * j) % VOCAB for j in range(n)] for i, n in enumerate((1, 7, 45, 97, 150))]
 
 
-def _run(ckpt, monkeypatch, prefill, replay="off", tokens=6, prompts=PROMPTS, budget=64, decode="0"):
+def _run(ckpt, monkeypatch, prefill, replay="off", tokens=6, prompts=PROMPTS, budget=64, decode="0",
+         prefix_caching=False):
     """A generate with the prefill executor ``prefill`` (0 = reference) and the decode path
     ``decode``; a small token budget chunks the prompts, so steps mix chunks and decode rows."""
     monkeypatch.setenv("DEEPINFER_FASTPATH", decode)
     monkeypatch.setenv("DEEPINFER_FAST_PREFILL", prefill)
     monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "0")
     llm = LLM(ckpt, dtype="float32", max_model_len=256, max_num_seqs=8, block_size=16, swa_replay_mode=replay,
-              swa_replay_keep=KEEP, max_num_batched_tokens=budget, enable_prefix_caching=False)
+              swa_replay_keep=KEEP, max_num_batched_tokens=budget, enable_prefix_caching=prefix_caching)
     kinds = []
     fp = llm.runner.fast_prefill
     if fp is not None:  # record what each step the executor ran held
@@ -55,7 +56,8 @@ def _run(ckpt, monkeypatch, prefill, replay="off", tokens=6, prompts=PROMPTS, bu
             meta = prepare(batch)
             if meta is not None:
                 kinds.append((any(s.length > 1 for s in batch.seqs), any(s.length == 1 and not s.is_new
-                                                                         for s in batch.seqs)))
+                                                                         for s in batch.seqs),
+                              any(s.is_new and s.start > 0 for s in batch.seqs)))  # a prefix-cache hit
             return meta
         monkeypatch.setattr(fp, "prepare", spy)
     sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, top_logprobs=2)
@@ -74,8 +76,8 @@ def test_v41_prefill_and_mixed_steps_match_reference(ckpt, monkeypatch, replay):
     ref_llm, ref, _ = _run(ckpt, monkeypatch, "0", replay)
     assert ref_llm.runner.fast_prefill is None
     fast_llm, fast, kinds = _run(ckpt, monkeypatch, "ref", replay)
-    assert all(k[0] for k in kinds) or kinds  # every step it ran
-    assert any(chunk and dec for chunk, dec in kinds), "no mixed step (prompt chunk + decode rows) ran"
+    assert kinds  # steps the executor ran
+    assert any(chunk and dec for chunk, dec, _ in kinds), "no mixed step (prompt chunk + decode rows) ran"
     stats = fast_llm.runner.fast_prefill.stats
     assert stats["prefill_rows"] >= sum(map(len, PROMPTS))
     if replay == "compact":  # the decoder layers ran on fewer rows than the prompts have
@@ -89,6 +91,21 @@ def test_v41_prefill_with_the_decode_path(ckpt, monkeypatch):
     llm, fast, _ = _run(ckpt, monkeypatch, "ref", "compact", decode="ref")
     assert llm.runner.fast.stats["fast_steps"] > 0
     _same(ref, fast)
+
+
+@pytest.mark.parametrize("replay", ["off", "compact"])
+def test_v41_prefill_after_prefix_cache_hits(ckpt, monkeypatch, replay):
+    """Prompts sharing a 96-token prefix with an earlier one start their prefill at a cached
+    block (hits capped at the cut under replay): the executor's chunks from there match."""
+    shared = PROMPTS[4][:96]
+    first, later = [shared + [1, 2, 3]], [shared + [(9 * j) % VOCAB for j in range(n)] for n in (5, 40)]
+    outs = {}
+    for prefill in ("0", "ref"):
+        llm, _, kinds = _run(ckpt, monkeypatch, prefill, replay, prompts=first, prefix_caching=True)
+        sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, top_logprobs=2)
+        outs[prefill] = llm.generate(prompt_token_ids=later, sampling_params=sp, use_tqdm=False)
+    assert any(k[2] for k in kinds), "no step started a prompt after a prefix-cache hit"
+    _same(outs["0"], outs["ref"])
 
 
 def test_v41_prefill_triton_attention_kernels():
