@@ -149,6 +149,19 @@ def profile_steps(llm: LLM, prompts: list[str], batch: int, steps: int) -> dict:
             llm.step()
         sync()
         wall = time.perf_counter() - t0
+    syncs = None
+    if torch.cuda.is_available():  # implicit host syncs (.tolist(), .item(), blocking copies) per step
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    llm.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        syncs = round(sum("synchroniz" in str(w.message) for w in caught) / steps, 1)
     for i in range(batch):
         core.abort(f"prof-{i}")
     while core.has_unfinished():
@@ -169,7 +182,10 @@ def profile_steps(llm: LLM, prompts: list[str], batch: int, steps: int) -> dict:
             "gpu_busy_ms_per_step": round(busy / 1e3 / steps, 3),
             "gpu_busy_share": round(busy / 1e6 / wall, 3) if wall else None,
             "host_gaps_over_20us_per_step": round(len(big) / steps, 1),
-            "host_gap_ms_per_step": round(sum(big) / 1e3 / steps, 3)}
+            "host_gap_ms_per_step": round(sum(big) / 1e3 / steps, 3),
+            # torch.cuda sync debug mode's warnings per step (the explicit waits on the results'
+            # copy events are not among them); None off CUDA
+            "implicit_syncs_per_step": syncs}
 
 
 def invariant_check(prompts: list[str], args) -> dict:

@@ -27,7 +27,12 @@ Compositions:
   counted in ``stats.grammar_waits``. Matchers only ever see real tokens: they read
   ``output_token_ids`` after ``update``.
 * Speculative decoding: N+1's drafts come from N's verification, so every step first
-  lands the step in flight (an explicit per-step sync, ``stats.speculative_syncs``). The
+  lands the step in flight (counted in ``stats.speculative_syncs``; it adds no wait of its
+  own: the spec step already waited for its one pinned device -> host copy of the accepted
+  counts and tokens, deepinfer/spec/runner.py, and the drafter for its drafts). What does
+  not overlap yet: the host's update, attach and plan of N+1 run after N's drafts reached
+  it, while the device idles (drafting N+1 from N's outputs on the device would remove
+  that). The
   confidence-scheduled budget comes from the previous plan's confidences, split with the
   newest (``SpecDecoder.attach``), in both loops: the rule DeepInfer's async scheduler
   uses (REFERENCE.md sections 3 and 8), and the one that keeps verification lossless.
