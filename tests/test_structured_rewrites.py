@@ -144,7 +144,7 @@ print(json.dumps(out))
 
 def test_llguidance_defects_are_guarded() -> None:
     """Bounds at and below -2**63 (llguidance crashed or failed there; it clamps past 64 bits),
-    and second 60 in date-time / time (its own formats allow it; the checker does not): each
+    integer bounds a double cannot hold (both backends read f64: rounded inward here), and second 60 in date-time / time (its own formats allow it; the checker does not): each
     is refused naming the field or compiles to a grammar whose walks all validate."""
     schemas = [{"type": "integer", "minimum": -(2**63) - 1},
                {"type": "integer", "minimum": -(2**63), "maximum": 0},
@@ -152,6 +152,9 @@ def test_llguidance_defects_are_guarded() -> None:
                {"type": "integer", "maximum": -(2**63) + 100},
                {"type": "number", "minimum": -(10**30)},
                {"type": "integer", "multipleOf": 3, "minimum": -(10**25), "maximum": 10**25},
+               # bounds above 2**53 that no double holds: llguidance rounded the minimum down
+               {"type": "integer", "minimum": 9223372036854770000, "exclusiveMaximum": 2**64},
+               {"type": "integer", "minimum": -9223372036854774000, "maximum": -9223372036854770000},
                {"type": "string", "format": "date-time"},
                {"type": "object", "dependencies": {"t": {"properties": {"t": {"format": "time"}}}},
                 "properties": {"t": {"type": "string"}}}]

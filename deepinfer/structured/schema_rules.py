@@ -147,7 +147,19 @@ def _clamp_integer_bounds(schema: dict, out: dict, where: str) -> None:
             raise schema_error(f"{where}/{key}", f"integer range past 64 bits ({key} {v}): not supported "
                                                  f"by the grammar backends (their integers are 64-bit)")
         if v > INT64_MAX or v < INT64_MIN:  # only narrows: values past 64 bits are never generated
-            out[key] = max(INT64_MIN, min(INT64_MAX, int(v)))
+            out[key] = v = max(INT64_MIN, min(INT64_MAX, int(v)))
+        if isinstance(v, int) and abs(v) > 2**53 and float(v) != v:
+            out[key] = _double_inside(v, low)
+
+
+def _double_inside(v: int, low: bool) -> int:
+    """The nearest integer to ``v`` on the inside of the range (above a lower bound, below an
+    upper one) that a double holds exactly: both backends read bounds as f64, and rounding
+    9223372036854770000 to 9223372036854769664 let llguidance emit values below the minimum."""
+    d = float(v)
+    if (low and d < v) or (not low and d > v):
+        d = math.nextafter(d, math.inf if low else -math.inf)
+    return int(d)
 
 
 def _check_object(schema: dict, where: str) -> None:
