@@ -68,6 +68,18 @@ def test_device_sampler_equals_host_reference(seed, greedy_every, sampled_drafts
         assert toks[b][len(t):] == [-1] * (dev.width - len(t))
 
 
+def test_device_sampler_with_the_fused_row_reduction():
+    """The CUDA configuration (the sampler's fused argmax / log-sum-exp kernel, interpreted
+    here): the host reference's tokens and counts, log-probs within float32 rounding."""
+    from deepinfer.engine.sampler import Sampler
+
+    logits, st, ks, drafts, q = _case(5, 2)
+    host = rejection_sample(logits, st, ks, drafts, q)
+    got = rejection_sample_device(logits, st, ks, drafts, q, sampler=Sampler(fused_reduce=True)).to_result()
+    assert (got.tokens, got.num_accepted, got.rows) == (host.tokens, host.num_accepted, host.rows)
+    torch.testing.assert_close(torch.tensor(sum(got.logprobs, [])), torch.tensor(sum(host.logprobs, [])))
+
+
 def _chi2_p(tokens: list[int], probs: torch.Tensor) -> float:
     counts = torch.bincount(torch.tensor(tokens), minlength=V).double()
     exp = probs.double() * len(tokens)

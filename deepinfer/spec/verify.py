@@ -184,7 +184,10 @@ def rejection_sample_device(logits: torch.Tensor, params: SamplingTensors, num_d
     """:func:`rejection_sample` without leaving the device: the same draws (so the same
     tokens and counts, bit for bit), the accepted run per request found with a cumulative
     product over its padded slots instead of a host loop. Arguments as there;
-    ``raw_logprobs``: ``log_softmax(logits)`` when the caller has it (top log-probs)."""
+    ``raw_logprobs``: ``log_softmax(logits)`` when the caller has it (top log-probs).
+    Where the sampler reduces rows with its fused kernel (CUDA), the argmax and the
+    log-probs come from it, as in a non-speculative decode step (the host reference's
+    ``argmax`` / ``log_softmax`` may then differ by a tie / float32 rounding)."""
     if rule not in ACCEPT_RULES:
         raise ValueError(f"rule must be one of {ACCEPT_RULES}, got {rule!r}")
     sampler = sampler or Sampler()
@@ -192,7 +195,14 @@ def rejection_sample_device(logits: torch.Tensor, params: SamplingTensors, num_d
     if sum(k + 1 for k in num_drafts) != M:
         raise ValueError(f"logits has {M} rows, num_drafts {num_drafts} needs {sum(k + 1 for k in num_drafts)}")
     raw = logits.float()
-    greedy_tok = raw.argmax(dim=-1)
+    # on CUDA the sampler's fused argmax / log-sum-exp: the kernel a decode step's greedy
+    # lane reduces with, so ties break and log-probs round as they do without speculation
+    reduce = sampler._row_reduce(raw) if raw_logprobs is None else None
+    lse = None
+    if reduce is not None:
+        greedy_tok, lse, _ = reduce(raw.contiguous())
+    else:
+        greedy_tok = raw.argmax(dim=-1)
     d = draft_ids.clamp(0, V - 1)
     accept = d == greedy_tok
     slot_row, is_draft = verify_layout(num_drafts, raw.device)
@@ -227,8 +237,11 @@ def rejection_sample_device(logits: torch.Tensor, params: SamplingTensors, num_d
     a = n_acc.unsqueeze(1)
     tok = torch.where(j < a, d[slot_row], final)
     tok = torch.where(j <= a, tok, torch.full_like(tok, -1))
-    lp_all = torch.log_softmax(raw, dim=-1) if raw_logprobs is None else raw_logprobs
-    lp = lp_all[slot_row, tok.clamp(min=0)]
+    if lse is not None:
+        lp = raw[slot_row, tok.clamp(min=0)] - lse[slot_row]
+    else:
+        lp_all = torch.log_softmax(raw, dim=-1) if raw_logprobs is None else raw_logprobs
+        lp = lp_all[slot_row, tok.clamp(min=0)]
     packed = torch.cat([n_acc.unsqueeze(1), tok, lp.float().view(torch.int32).to(torch.int64)], dim=1)
     rows = torch.where(j <= a, slot_row, slot_row.gather(1, a))
     return DeviceVerify(packed, rows, list(num_drafts))
