@@ -250,3 +250,25 @@ def test_invariant_mode_speculative_greedy_equals_off_bitwise(ckpt, monkeypatch)
     assert lp == [[float(x) for x in o.logprobs] if o.logprobs is not None else None for o in base]
     assert spec._prefill is not None and spec._prefill.counts["invariant_steps"] > 0
     assert spec._verify is None or spec._verify.counts["steps"] == 0  # no default-mode verify graph in the mode
+
+
+def test_compiled_verify_accepts_what_the_reference_verify_accepts(ckpt, reference, monkeypatch):
+    """The same drafts (a known-right prefix of random length, same seed) verified by the
+    compiled verify graphs and by the reference path: equal tokens and equal accepted
+    counts per draft position, with accepted runs of several lengths."""
+    results = {}
+    for mode in ("ref", "0"):
+        monkeypatch.setenv("DEEPINFER_FASTPATH", mode)
+        monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
+        monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_WARMUP", "1")
+        llm = make_llm(ckpt, num_speculative_tokens=4, max_num_batched_tokens=64)
+        spec = llm.runner.spec
+        spec.drafter = _PartlyRight({f"req-{i}": t for i, t in enumerate(reference)}, VOCAB)
+        outs = llm.generate(prompt_token_ids=mixed_prompts(), sampling_params=PARAMS, use_tqdm=False)
+        verify = spec._verify
+        results[mode] = ([o.token_ids for o in outs], list(spec.metrics.accepted), list(spec.metrics.proposed),
+                         verify.counts["graph_steps"] if verify is not None else 0)
+    assert results["ref"][0] == results["0"][0] == reference
+    assert results["ref"][1:3] == results["0"][1:3]
+    assert results["ref"][3] > 0 and results["0"][3] == 0  # graphs vs the reference path
+    assert sum(a > 0 for a in results["ref"][1]) >= 3  # accepted drafts at several positions
