@@ -272,3 +272,31 @@ def test_compiled_verify_accepts_what_the_reference_verify_accepts(ckpt, referen
     assert results["ref"][1:3] == results["0"][1:3]
     assert results["ref"][3] > 0 and results["0"][3] == 0  # graphs vs the reference path
     assert sum(a > 0 for a in results["ref"][1]) >= 3  # accepted drafts at several positions
+
+
+def test_v41_verify_graphs_warmed_and_sealed(tmp_path, monkeypatch):
+    """DeepSeek-V4.1 (its DSpark stages draft): the verify set is captured at start-up for
+    its decode program too, steps replay it with nothing captured while serving, and greedy
+    output equals the reference path without speculation."""
+    from deepinfer import LLM
+    from deepinfer.models.tiny import tiny_v41_config
+
+    write_tiny_checkpoint(str(tmp_path), seed=13, cfg=tiny_v41_config(vocab_size=VOCAB, sliding_window=32))
+    prompts = [[(3 * i + 7 * j) % VOCAB for j in range(n)] for i, n in enumerate((6, 37, 90))]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    kw = dict(dtype="float32", max_model_len=256, max_num_seqs=4, block_size=16)
+    monkeypatch.setenv("DEEPINFER_FASTPATH", "0")
+    ref = [o.token_ids for o in LLM(str(tmp_path), **kw).generate(prompt_token_ids=prompts, sampling_params=sp,
+                                                                  use_tqdm=False)]
+    monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_WARMUP", "1")
+    llm = LLM(str(tmp_path), num_speculative_tokens=3, max_num_batched_tokens=64, **kw)
+    fast, spec = llm.runner.fast, llm.runner.spec
+    verify = spec._verify
+    assert verify is not None and llm.graphs_warmed == len(verify.warmed) > 0 and fast.graphs.sealed
+    captured = list(fast.graphs.captured)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    assert [o.token_ids for o in outs] == ref
+    assert fast.graphs.captured == captured and fast.graphs.stats["uncaptured_steps"] == 0
+    assert verify.counts["graph_steps"] > 0
