@@ -12,10 +12,11 @@ set's (:func:`decode_graphs.graph_shapes`).
 
 The graphs live in the fast path's one pool (``FastPath.graphs``) under keys
 ``("verify", rows, width, layers)``; :meth:`VerifyGraphs.warmup` captures all of them,
-largest first, and the engine's warm-up (``SpecDecoder.warmup``) then seals the set, so nothing is captured while serving: a step of a
-shape outside the set (more rows than the largest bucket) runs eagerly on the same padded
-buffers and is counted (``graphs.stats["uncaptured_steps"]``). Padded rows repeat row 0
-(its own group each), as in decode graphs: they write what row 0 writes.
+largest first, and the engine's warm-up (``SpecDecoder.warmup``) then seals the set, so
+nothing is captured while serving: a step of a shape outside the set (more rows than the
+largest bucket) runs eagerly on the same padded buffers and is counted
+(``graphs.stats["uncaptured_steps"]``). Padded rows repeat row 0 (its own group each), as
+in decode graphs: they write what row 0 writes.
 """
 
 from __future__ import annotations
