@@ -217,7 +217,7 @@ class ModelRunner:
         if self.fast is None:
             return 0
         with torch.no_grad(), bi.batch_invariant_mode(self.batch_invariant):  # the graphs' mode
-            if self.spec is not None:  # speculative steps: the verify (and draft) graphs instead
+            if self.spec is not None:  # speculative steps: the verify graphs instead
                 return self.spec.warmup(self, max_num_seqs, max_model_len, block_size)
             return self.fast.warmup(max_num_seqs, max_model_len, block_size)
 
