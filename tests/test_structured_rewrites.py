@@ -190,3 +190,20 @@ def test_bench_validator_takes_multiple_of_in_decimal() -> None:
     assert not V({"type": "number", "multipleOf": 0.01}).is_valid(8518026.28)  # why the bench has its own
     sevens = validator_for({"type": "integer", "multipleOf": 7, "minimum": 10})
     assert sevens.is_valid(14) and not sevens.is_valid(8185) and not sevens.is_valid(7)
+
+
+def test_ref_targets_outside_the_schema_keywords_are_checked(pool, fresh_seed: int) -> None:  # type: ignore
+    """A $ref into an annotation key (Azure's "#/resourceDefinitions/...") reaches a subschema
+    the admission passes did not walk: its unlisted 'required' name (which xgrammar drops) and
+    its regex (Python's '.' never matches a newline) are checked like any other."""
+    schema = {"resourceDefinitions": {"cm": {"type": "object", "properties": {"t": {"type": "string",
+                                                                                    "pattern": "^a.b$"}},
+                                             "required": ["t", "location"]}},
+              "type": "object", "properties": {"cm": {"$ref": "#/resourceDefinitions/cm"}}, "required": ["cm"]}
+    with pytest.raises(InvalidRequestError, match=r"'required' names \['location'\] not listed"):
+        plan_spec(StructuredOutputSpec("json", schema), "xgrammar")
+    backend, texts = _walk(pool, schema, fresh_seed)
+    assert backend == "llguidance" and texts and all("location" in json.loads(t)["cm"] for t in texts)
+    plain = {**schema, "resourceDefinitions": {"cm": {"type": "string", "pattern": "^a.b$"}}}
+    source = json.dumps(plan_spec(StructuredOutputSpec("json", plain), "xgrammar").source)
+    assert "a[^\\\\n]b" in source, source  # the hoisted target's '.' was rewritten

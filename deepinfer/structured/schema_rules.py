@@ -279,4 +279,6 @@ def _walk_list(key: str, items: list, where: str) -> list:
 def normalize_schema(schema: dict) -> dict:
     """Raise InvalidRequestError (keyword and JSON path) for a contradictory schema; else
     return the rewritten schema that the backend checks and compile."""
-    return _walk(schema, "schema")
+    from deepinfer.structured.ref_hoist import hoist_refs
+
+    return _walk(hoist_refs(schema), "schema")
