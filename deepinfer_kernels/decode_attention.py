@@ -48,9 +48,10 @@ def _update(q, k, valid, m, l, acc, scale, CODE: tl.constexpr, INTERP: tl.conste
 
 @triton.jit(do_not_specialize=["n_splits", "stride_swt", "stride_ct", "stride_tk"])
 def _decode_kernel(q_ptr, pos_ptr, swa_ptr, swa_tab_ptr, comp_ptr, comp_tab_ptr, topk_ptr, sink_ptr,
-                   out_ptr, m_ptr, l_ptr, freq_ptr, H, W, BS, EPB, RATIO, TOPK, n_splits, scale,
+                   out_ptr, m_ptr, l_ptr, freq_ptr, floor_ptr, H, W, BS, EPB, RATIO, TOPK, n_splits, scale,
                    stride_qr, stride_qh, stride_swt, stride_ct, stride_tk, stride_or, stride_oh,
-                   HAS_COMP: tl.constexpr, CSA: tl.constexpr, FINAL: tl.constexpr, CHUNK: tl.constexpr,
+                   HAS_COMP: tl.constexpr, CSA: tl.constexpr, FINAL: tl.constexpr, HAS_FLOOR: tl.constexpr,
+                   CHUNK: tl.constexpr,
                    CODE: tl.constexpr, INTERP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, ROPE_OUT: tl.constexpr, HALF: tl.constexpr):
     r, hb, c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
@@ -61,6 +62,9 @@ def _decode_kernel(q_ptr, pos_ptr, swa_ptr, swa_tab_ptr, comp_ptr, comp_tab_ptr,
     p = tl.load(pos_ptr + r).to(tl.int32)
     lo = tl.maximum(p - W + 1, 0)
     n_win = p - lo + 1
+    fl = 0
+    if HAS_FLOOR:  # window keys below the row's floor are masked, not skipped: the slots keep their splits
+        fl = tl.load(floor_ptr + r).to(tl.int32)
     n_comp = 0
     if HAS_COMP:
         if CSA:
@@ -74,8 +78,8 @@ def _decode_kernel(q_ptr, pos_ptr, swa_ptr, swa_tab_ptr, comp_ptr, comp_tab_ptr,
     acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
     for kb in range(start, tl.minimum(end, n_win), BLOCK_N):
         idx = kb + tl.arange(0, BLOCK_N)
-        valid = idx < tl.minimum(end, n_win)
         kpos = lo + idx
+        valid = (idx < tl.minimum(end, n_win)) & (kpos >= fl)
         blk = tl.load(swa_tab_ptr + r * stride_swt + kpos // BS, mask=valid, other=0).to(tl.int64)
         rows = blk * BS + kpos % BS
         k = tl.load(swa_ptr + rows[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
@@ -144,9 +148,11 @@ def decode_attention(q: torch.Tensor, positions: torch.Tensor, swa_pool: torch.T
                      window: int, sink: torch.Tensor, comp_pool: torch.Tensor | None = None,
                      comp_table: torch.Tensor | None = None, ratio: int = 0, topk_idx: torch.Tensor | None = None,
                      kv_chunk: int = 256, max_keys: int | None = None, block_h: int = 16,
-                     block_n: int = 32, num_warps: int = 4, rope_inv_freq: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-    """Decode attention; see the module doc. q [R, H, D] (D a power of two), positions
+                     block_n: int = 32, num_warps: int = 4, rope_inv_freq: torch.Tensor | None = None,
+                     floor: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention; see the module doc. ``floor`` [R] int32 (optional): window keys
+    below each row's floor are masked (DeepSeek-V4.1's bounded replay: a decoder layer's
+    window starts at the request's cut). q [R, H, D] (D a power of two), positions
     [R] int, tables int32. `max_keys` (an upper bound on window + compressed keys per
     request) sizes the split grid without a host read; graph capture must pass it.
     Returns float32 [R, H, D]; with ``rope_inv_freq`` (f32 [rope_dim / 2]) the output in
@@ -188,10 +194,12 @@ def decode_attention(q: torch.Tensor, positions: torch.Tensor, swa_pool: torch.T
     half = rope_inv_freq.numel() if rope_out else 1
     _decode_kernel[(n_req, triton.cdiv(n_heads, bh), n_splits)](
         q, positions, swa_pool, swa_table, comp, ctab, tk, sink, acc, m, l, freq,
+        floor if floor is not None else positions,
         n_heads, window, swa_pool.shape[1], comp.shape[1], max(ratio, 1), tk.shape[1] if csa else 0, n_splits,
         float(d ** -0.5), q.stride(0), q.stride(1), swa_table.stride(0), ctab.stride(0), tk.stride(0),
         out.stride(0), out.stride(1),
-        HAS_COMP=has_comp, CSA=csa, FINAL=final, CHUNK=kv_chunk, CODE=dtype_code(q.dtype), INTERP=interpreting(),
+        HAS_COMP=has_comp, CSA=csa, FINAL=final, HAS_FLOOR=floor is not None, CHUNK=kv_chunk,
+        CODE=dtype_code(q.dtype), INTERP=interpreting(),
         D=d, BLOCK_H=bh, BLOCK_N=block_n, ROPE_OUT=rope_out, HALF=half, num_warps=num_warps, num_stages=2, **opts)
     if not final:
         _merge_kernel[(n_req, triton.cdiv(n_heads, bh))](
@@ -205,7 +213,8 @@ def decode_attention_ref(q: torch.Tensor, positions: torch.Tensor, swa_pool: tor
                          comp_pool: torch.Tensor | None = None, comp_table: torch.Tensor | None = None,
                          ratio: int = 0, topk_idx: torch.Tensor | None = None, kv_chunk: int = 256,
                          max_keys: int | None = None, block_h: int = 16, block_n: int = 32,
-                         num_warps: int = 4, rope_inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+                         num_warps: int = 4, rope_inv_freq: torch.Tensor | None = None,
+                         floor: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference with the signature of :func:`decode_attention`: per request the
     key gathering, masks and softmax of ``Attention._attend_one`` for one query row
     (``gather_rows`` / ``read_entries`` layout), then (``rope_inv_freq``) the output's
@@ -214,7 +223,7 @@ def decode_attention_ref(q: torch.Tensor, positions: torch.Tensor, swa_pool: tor
 
     from deepinfer.models.rope import Rotary, apply_rope
 
-    out = _attend_ref(q, positions, swa_pool, swa_table, window, sink, comp_pool, comp_table, ratio, topk_idx)
+    out = _attend_ref(q, positions, swa_pool, swa_table, window, sink, comp_pool, comp_table, ratio, topk_idx, floor)
     if rope_inv_freq is None:
         return out
     cos, sin = Rotary.cos_sin(SimpleNamespace(inv_freq=rope_inv_freq), positions, q.dtype)
@@ -223,13 +232,14 @@ def decode_attention_ref(q: torch.Tensor, positions: torch.Tensor, swa_pool: tor
 
 def _attend_ref(q: torch.Tensor, positions: torch.Tensor, swa_pool: torch.Tensor, swa_table: torch.Tensor,
                 window: int, sink: torch.Tensor, comp_pool: torch.Tensor | None, comp_table: torch.Tensor | None,
-                ratio: int, topk_idx: torch.Tensor | None) -> torch.Tensor:
+                ratio: int, topk_idx: torch.Tensor | None, floor: torch.Tensor | None = None) -> torch.Tensor:
     from deepinfer.models.kv_cache import gather_rows
 
     outs = []
     for r in range(q.shape[0]):
         p = int(positions[r])
-        k_lo = max(0, p - window + 1)
+        # keys below a floor are never read (bounded replay never wrote them: any bits, NaN too)
+        k_lo = min(max(0, p - window + 1, int(floor[r]) if floor is not None else 0), p + 1)
         parts = [gather_rows(swa_pool, swa_table[r].tolist(), k_lo, p + 1)]
         masks = [torch.ones(1, p + 1 - k_lo, dtype=torch.bool, device=q.device)]
         n_entries = (p + 1) // ratio if ratio else 0

@@ -187,10 +187,12 @@ def prefill_attention(q: torch.Tensor, positions: torch.Tensor, row_req: torch.T
         num_warps = 8 if bt * bh >= 32 else 4
     _prefill_attention_kernel[(n_prog, triton.cdiv(n_heads, bh))](
         q, positions, row_req, tile_arg, swa_pool, swa_table, comp, ctab, tk, sink.float().contiguous(), out,
-        floor if floor is not None else row_req, n_heads, window, swa_pool.shape[1], comp.shape[1], max(ratio, 1), tk.shape[1] if csa else 0,
+        floor if floor is not None else row_req,
+        n_heads, window, swa_pool.shape[1], comp.shape[1], max(ratio, 1), tk.shape[1] if csa else 0,
         float(d ** -0.5), q.stride(0), q.stride(1), swa_table.stride(0), ctab.stride(0), tk.stride(0),
         out.stride(0), out.stride(1),
-        HAS_COMP=has_comp, CSA=csa, TILED=tiled, HAS_FLOOR=floor is not None, CODE=dtype_code(q.dtype), INTERP=interpreting(), D=d,
+        HAS_COMP=has_comp, CSA=csa, TILED=tiled, HAS_FLOOR=floor is not None, CODE=dtype_code(q.dtype),
+        INTERP=interpreting(), D=d,
         BLOCK_T=bt, BLOCK_H=bh, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **opts)
     return out
 

@@ -247,3 +247,28 @@ def test_v41_prefill_spec_forward_captures_like_reference(replay):
         assert torch.allclose(logits(last), model.compute_logits(ref[last]), rtol=1e-4, atol=5e-4)
     if replay == "compact":
         assert path.stats["replayed_rows"] < path.stats["prefill_rows"]
+
+
+def test_decode_attention_floor_matches_reference():
+    """decode_attention's per-row floor (the invariant mode's prefill rows under replay):
+    the interpreted kernel equals its reference, and a floor at or below a row's window
+    start gives the bits of no floor (masked, not skipped: the splits stay)."""
+    from deepinfer_kernels.decode_attention import decode_attention, decode_attention_ref
+
+    g = torch.Generator().manual_seed(5)
+    bs, d, h, window = 8, 64, 4, 16
+    pos = torch.tensor([3, 17, 25, 30, 9])
+    pool = torch.randn(12, bs, d, generator=g)
+    table = torch.arange(12, dtype=torch.int32).view(3, 4).repeat_interleave(torch.tensor([2, 2, 1]), dim=0)
+    q = torch.randn(len(pos), h, d, generator=g)
+    sink = torch.randn(h, generator=g)
+    floor = torch.tensor([0, 12, 20, 31, 0], dtype=torch.int32)  # row 3: every window key below it
+    for splits in (16, 256):  # several splits (merge kernel), one split
+        ref = decode_attention_ref(q, pos, pool, table, window, sink, kv_chunk=splits, floor=floor)
+        out = decode_attention(q, pos, pool, table, window, sink, kv_chunk=splits, max_keys=window, floor=floor)
+        assert torch.allclose(out, ref.float(), atol=1e-5)
+        low = torch.clamp(pos - window + 1, min=0).to(torch.int32)  # exactly each row's window start
+        plain = decode_attention(q, pos, pool, table, window, sink, kv_chunk=splits, max_keys=window)
+        assert torch.equal(plain, decode_attention(q, pos, pool, table, window, sink, kv_chunk=splits,
+                                                   max_keys=window, floor=low))
+        assert not torch.allclose(plain[1:4], out[1:4], atol=1e-3)

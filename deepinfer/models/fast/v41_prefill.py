@@ -22,8 +22,8 @@ the decode step's per-row pieces (``decode_attention`` over its own block tables
 split merge, the same indexer scores + stable top-k, float32 projections through the
 mode's fixed-tile GEMM) and the rows that sample take the decode step's head
 (:meth:`PrefillPathV41.invariant_logits`), so a token has the same bits in a prefill,
-mixed or decode step of any size. Steps under an active bounded replay stay on the
-reference path in this mode (``decode_attention`` has no window floor).
+mixed or decode step of any size; under bounded replay the decoder layers' window keys
+below the cut are masked by ``decode_attention``'s per-row floor.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from ..kv_cache_v41 import GROUP_SWA
 from ..moe import MoE
 from ..v41_layers import hc_expand
 from .forward import head_logits
-from .invariant import is_invariant
 from .moe import moe_forward
 from .moe import supported as moe_supported
 from .prefill import prefill_ops
@@ -87,11 +86,9 @@ class PrefillPathV41:
 
     def prepare(self, batch: ForwardBatch) -> PrefillMeta | None:
         """Metadata of a prefill / mixed step, or None when this path does not run it (EP
-        or load-counting MoE layers; in batch-invariant mode a step under an active bounded
-        replay: the mode's per-row attention has no window floor)."""
-        replay = getattr(batch, "replay", None)
-        if not batch.seqs or (is_invariant(self.ops) and replay is not None and replay.active) or not all(
-                isinstance(layer.ffn, MoE) and moe_supported(layer.ffn) for layer in self.model.layers):
+        or load-counting MoE layers)."""
+        if not batch.seqs or not all(isinstance(layer.ffn, MoE) and moe_supported(layer.ffn)
+                                     for layer in self.model.layers):
             return None
         meta = self._meta(batch.seqs, batch.positions)
         self.stats["prefill_steps"] += 1

@@ -151,15 +151,15 @@ def attend_prefill(attn: torch.nn.Module, x: torch.Tensor, step: V41PrefillStep)
         extra = dict(comp_pool=cache.src_kv[attn.kv_source], comp_table=meta.tables32[GROUP_SRC], ratio=attn.ratio,
                      topk_idx=step.topk)
         block_t = 1  # every row has its own entry list: one row per program
+    floor = step.floor if attn.is_decoder else None
     if is_invariant(ops):  # a decode row's attention (the mode's split merge), per row
         comp_pool = extra.get("comp_pool")
         o = ops.decode_attention(q, pos, pool, meta.row_tables(group), attn.window, attn.attn_sink, comp_pool,
                                  meta.row_tables(GROUP_SRC) if comp_pool is not None else None,
                                  attn.ratio if comp_pool is not None else 0, step.topk if attn.ratio else None,
                                  max_keys=attn.window + (step.topk.shape[1] if attn.ratio else 0),
-                                 rope_inv_freq=inv)
+                                 rope_inv_freq=inv, floor=floor[meta.row_req.long()] if floor is not None else None)
         return attn.wo_b(grouped_out(attn.wo_a, o.view(n, attn.cfg.o_groups, -1), ops))
-    floor = step.floor if attn.is_decoder else None
     o = ops.prefill_attention(q, pos, meta.row_req, pool, meta.tables32[group], attn.window, attn.attn_sink,
                               **extra, tiles=meta.tiles(block_t) if block_t > 1 else None, block_t=block_t,
                               block_h=block_h, block_n=64 if block_h >= 64 else 32, floor=floor)
