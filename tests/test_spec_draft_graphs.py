@@ -142,8 +142,8 @@ def test_graphed_feature_writes_equal_eager_writes(ckpt, monkeypatch):
         drafter.feature_graphs = feats
         real(ctx)
         for p, e, b in zip(pools, eager, before):
-            torch.testing.assert_close(p, e, atol=1e-6, rtol=1e-5)
-        checked.append(any(not torch.equal(e, b) for e, b in zip(eager, before)))
+            torch.testing.assert_close(p, e, atol=1e-6, rtol=1e-5, equal_nan=True)  # unwritten rows: raw memory
+        checked.append(any(not torch.equal(e.nan_to_num(), b.nan_to_num()) for e, b in zip(eager, before)))
 
     drafter._write_features = write
     llm.generate(prompt_token_ids=_prompts(), sampling_params=GREEDY, use_tqdm=False)
