@@ -300,3 +300,27 @@ def test_v41_verify_graphs_warmed_and_sealed(tmp_path, monkeypatch):
     assert [o.token_ids for o in outs] == ref
     assert fast.graphs.captured == captured and fast.graphs.stats["uncaptured_steps"] == 0
     assert verify.counts["graph_steps"] > 0
+
+
+def test_v41_invariant_mode_speculative_greedy_equals_off_bitwise(tmp_path, monkeypatch):
+    """V4.1 in batch-invariant mode on the compiled executor: its speculative steps run its
+    prefill path's mode rows (``PrefillPathV41.spec_forward``) and the decode head, so greedy
+    tokens and log-probs are the bits of the non-speculative engine's invariant decode."""
+    from deepinfer import LLM
+    from deepinfer.models.tiny import tiny_v41_config
+
+    write_tiny_checkpoint(str(tmp_path), seed=13, cfg=tiny_v41_config(vocab_size=VOCAB, sliding_window=32))
+    prompts = [[(3 * i + 7 * j) % VOCAB for j in range(n)] for i, n in enumerate((6, 37, 90))]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    for name, value in (("DEEPINFER_FASTPATH", "ref"), ("DEEPINFER_FAST_PREFILL", "ref"),
+                        ("DEEPINFER_CUDA_GRAPHS", "1")):
+        monkeypatch.setenv(name, value)
+    kw = dict(dtype="float32", max_model_len=256, max_num_seqs=4, block_size=16, batch_invariant=True,
+              max_num_batched_tokens=64)
+    base = LLM(str(tmp_path), **kw).generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    llm = LLM(str(tmp_path), num_speculative_tokens=3, **kw)
+    llm.runner.spec.drafter = _PartlyRight({f"req-{i}": o.token_ids for i, o in enumerate(base)}, VOCAB)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert llm.runner.spec.metrics.mean_accepted_length > 0.5
+    assert [list(o.logprobs) for o in outs] == [list(o.logprobs) for o in base]

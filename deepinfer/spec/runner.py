@@ -104,12 +104,15 @@ class SpecDecoder:
             streams = verify.forward(so, batch, hidden if layers else None) if verify is not None else None
             if streams is not None:
                 return streams, hidden, lambda rows: model.compute_logits(streams[rows])
-        if isinstance(runner.fast_prefill, PrefillPath) and runner.replay is None:  # V4's prefill path
+        path, out = runner.fast_prefill, None
+        if hasattr(path, "spec_forward"):  # a family's own (V4.1: PrefillPathV41, bounded replay included)
+            out = path.spec_forward(batch, layers, invariant)
+        elif isinstance(path, PrefillPath) and runner.replay is None:  # V4's prefill path
             if self._prefill is None:
-                self._prefill = SpecPrefill(runner.fast_prefill)
+                self._prefill = SpecPrefill(path)
             out = self._prefill.forward(batch, layers, invariant)
-            if out is not None:
-                return out
+        if out is not None:
+            return out
         streams, hidden = forward_capture(model, batch, runner.cache, layers)
         return streams, hidden, lambda rows: model.compute_logits(streams[rows])
 
