@@ -129,9 +129,10 @@ def _set_compile_hook(record, restore: bool = False):
     has no such hook."""
     try:
         from triton import knobs
-    except Exception:  # no triton, or one without knobs: compiles are not counted
+
+        previous = knobs.runtime.jit_post_compile_hook
+    except Exception:  # no triton, or one without this hook: compiles are not counted
         return None
-    previous = knobs.runtime.jit_post_compile_hook
     if restore:
         knobs.runtime.jit_post_compile_hook = record
         return previous

@@ -29,15 +29,15 @@ GIB = 1 << 30
 @pytest.mark.parametrize("max_num_seqs,max_model_len,block_size", [(40, 1000, 128), (256, 1 << 20, 128),
                                                                     (1, 64, 16), (300, 5000, 64)])
 def test_every_step_shape_the_limits_allow_is_in_the_set(max_num_seqs, max_model_len, block_size):
-    """Any plain decode step (1..max_num_seqs requests, longest table of a context of up to
-    max_model_len tokens plus its next one) maps to a shape of the set; the set is no larger
-    than those shapes' buckets / width classes; largest first."""
+    """Any plain decode step (1..max_num_seqs requests, longest table of up to
+    max_model_len - 1 tokens: the last step feeds position max_model_len - 2) maps to a
+    shape of the set; the set is no larger than those shapes' buckets / width classes;
+    largest first."""
     shapes = graph_shapes(max_num_seqs, max_model_len, block_size)
     assert len(set(shapes)) == len(shapes)
     assert all(a > b for a, b in zip(shapes, shapes[1:]))  # (rows, width) descending: largest first
-    lens = sorted({1, 2, block_size - 1, block_size, block_size + 1, max_model_len // 3, max_model_len - 1,
-                   max_model_len} - {0})
-    needed = {(rows_bucket(n) or BUCKETS[-1], width_class(-(-(ctx + 1) // block_size)))
+    lens = sorted({1, 2, block_size - 1, block_size, block_size + 1, max_model_len // 3, max_model_len - 1} - {0})
+    needed = {(rows_bucket(n) or BUCKETS[-1], width_class(-(-ctx // block_size)))
               for n in range(1, min(max_num_seqs, BUCKETS[-1]) + 1) for ctx in lens}
     assert needed <= set(shapes)
     widths = sorted({w for _, w in shapes})
@@ -88,8 +88,8 @@ def test_steps_replay_their_own_width_class_and_nothing_is_captured_after_start(
     llm = _engine(ckpt, monkeypatch, "ref", block_size)
     fast = llm.runner.fast
     shapes = graph_shapes(4, 8 * block_size, block_size)
-    assert fast.graphs.sealed and fast.graphs.captured == shapes == fast.warmed  # rows 4/2/1 x widths 16..1
-    assert max(w for _, w in shapes) == 16
+    assert fast.graphs.sealed and fast.graphs.captured == shapes == fast.warmed  # rows 4/2/1 x widths 8..1
+    assert max(w for _, w in shapes) == 8
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     short = [[(3 * j + 1) % VOCAB for j in range(3)]]  # 3..8 tokens: one block
     pair = [[(5 * j + 2) % VOCAB for j in range(n)] for n in (3, block_size + 5)]  # longest table: 2 blocks
@@ -129,13 +129,13 @@ def test_graph_memory_is_profiled_before_the_cache_is_sized(monkeypatch):
     small = EngineConfig(max_model_len=512, max_num_seqs=4, block_size=128, accelerator="cpu")
     large = EngineConfig(max_model_len=2048, max_num_seqs=4, block_size=128, accelerator="cpu")
     mem, bound = decode_graph_memory(model, small, cpu)
-    assert mem.probe == (4, 8) and mem.n_groups == 3 and mem.pool_bytes is None  # no allocator on a host
+    assert mem.probe == (4, 4) and mem.n_groups == 3 and mem.pool_bytes is None  # no allocator on a host
     assert mem.shapes == tuple(graph_shapes(4, 512, 128))  # the set the warm-up captures
     assert mem.output_row_bytes == (VOCAB * 4, 16, 4, 8, 4, 8)
     mem_large, bound_large = decode_graph_memory(model, large, cpu)
-    assert mem_large.probe == (4, 32) and mem_large.output_row_bytes == mem.output_row_bytes
+    assert mem_large.probe == (4, 16) and mem_large.output_row_bytes == mem.output_row_bytes
     added = set(graph_shapes(4, 2048, 128)) - set(graph_shapes(4, 512, 128))
-    assert added == {(r, w) for r in (4, 2, 1) for w in (16, 32)}
+    assert added == {(r, w) for r in (4, 2, 1) for w in (8, 16)}
     extra = sum(mem.outputs_bytes(r) + allocation_bytes(input_bytes(r, w, 3)) for r, w in added)
     assert bound_large - bound == extra > 0
     assert bound == sum(mem.outputs_bytes(r) + allocation_bytes(input_bytes(r, w, 3))
@@ -188,7 +188,7 @@ def test_a_step_wider_than_the_largest_bucket_runs_eagerly_without_a_capture(v4_
                   enable_prefix_caching=False, async_scheduling=False)
         outs[mode] = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
     stats = llm.runner.fast.stats
-    assert stats["captures"] == len(llm.runner.fast.warmed) == 9  # rows 4/2/1 x widths 4/2/1 (257 tokens)
+    assert stats["captures"] == len(llm.runner.fast.warmed) == 6  # rows 4/2/1 x widths 2/1 (255-token tables)
     assert stats["eager_steps"] >= 1 and stats["uncaptured_steps"] == 0 and stats["graph_steps"] > 0
     for a, b in zip(outs["0"], outs["ref"]):
         assert a.token_ids == b.token_ids
@@ -216,3 +216,25 @@ def test_the_sampler_warms_every_lane_before_the_first_generate():
     assert warm_sampler(VOCAB, torch.device("cpu")) == ["greedy", "sampled", "top_logprobs"]
     with pytest.raises(ValueError, match="rows must be >= 2"):
         warm_sampler(VOCAB, torch.device("cpu"), rows=1)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_that_reaches_max_model_len_never_leaves_the_graph_set(v4_ckpt, monkeypatch, async_scheduling):
+    """The widest class holds a table of max_model_len - 1 tokens (graph_shapes): a request
+    generating up to max_model_len = 2 blocks exactly (so a table for max_model_len + 1
+    tokens would need a 3rd block and the 4-wide class) runs every decode step on a graph
+    of the 2-wide set, nothing uncaptured, and stops at max_model_len."""
+    block_size = 128  # the tiny model's largest compress ratio
+    monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_WARMUP", "1")
+    llm = LLM(v4_ckpt, dtype="float32", max_model_len=2 * block_size, max_num_seqs=2, block_size=block_size,
+              enable_prefix_caching=False, async_scheduling=async_scheduling)
+    fast = llm.runner.fast
+    assert max(w for _, w in fast.warmed) == 2
+    prompts = [[(3 * j + i) % VOCAB for j in range(n)] for i, n in enumerate((2 * block_size - 6, 2 * block_size - 9))]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=64,
+                                                                                 ignore_eos=True), use_tqdm=False)
+    assert [len(o.prompt_token_ids) + len(o.token_ids) for o in outs] == [2 * block_size] * 2
+    assert fast.stats["uncaptured_steps"] == 0 and fast.stats["eager_steps"] == 0 and fast.stats["graph_steps"] > 0
+    assert {w for _, w in fast.graphs.replays} == {2}

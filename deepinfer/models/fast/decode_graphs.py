@@ -64,15 +64,17 @@ def width_class(blocks: int) -> int:
 def graph_shapes(max_num_seqs: int, max_model_len: int, block_size: int) -> list[tuple[int, int]]:
     """Every (rows bucket, width class) a plain decode step can take under these limits,
     largest first: buckets up to the first one holding ``max_num_seqs`` rows (the largest
-    when none does), widths up to the class of a ``max_model_len``-token context plus its
-    next token."""
+    when none does), widths up to the class of the longest table a decode step can have:
+    ``max_model_len - 1`` tokens (the last step feeds position ``max_model_len - 2`` and
+    samples the request's last token; a wider class would double the widest graphs, and the
+    probe's largest temporaries, for power-of-two lengths)."""
     for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                         ("block_size", block_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"graph_shapes: {name} must be an int >= 1, got {value!r}")
     top = rows_bucket(max_num_seqs) or BUCKETS[-1]
     rows = [b for b in BUCKETS if b <= top]
-    widest = width_class(-(-(max_model_len + 1) // block_size))
+    widest = width_class(-(-max(max_model_len - 1, 1) // block_size))
     widths = [1 << i for i in range(widest.bit_length())]
     return sorted(((r, w) for r in rows for w in widths), key=lambda rw: (-rw[0], -rw[1]))
 
