@@ -207,3 +207,13 @@ def test_ref_targets_outside_the_schema_keywords_are_checked(pool, fresh_seed: i
     plain = {**schema, "resourceDefinitions": {"cm": {"type": "string", "pattern": "^a.b$"}}}
     source = json.dumps(plan_spec(StructuredOutputSpec("json", plain), "xgrammar").source)
     assert "a[^\\\\n]b" in source, source  # the hoisted target's '.' was rewritten
+
+
+def test_optional_group_with_a_repeat_is_not_xgrammars(pool, fresh_seed: int) -> None:  # type: ignore
+    """xgrammar's JSON pattern conversion let ``(x[a-z]+)?`` skip its 'x' (SchemaStore's
+    sponge-mixins version pattern emitted "89KZ..."): such patterns go to llguidance, exact."""
+    schema = {"type": "string", "pattern": "^(\\d{1,5})(?:\\.(\\d{1,5}))?(-[a-zA-Z0-9_\\-]+)?$"}
+    with pytest.raises(InvalidRequestError, match="optional group that repeats inside"):
+        plan_spec(StructuredOutputSpec("json", schema), "xgrammar")
+    backend, texts = _walk(pool, schema, fresh_seed)
+    assert backend == "llguidance" and len(texts) >= 5

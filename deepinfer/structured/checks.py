@@ -121,11 +121,43 @@ def check_regex(regex: str, where: str = "regex") -> str:
 
 
 # ------------------------------------------------------------------- JSON schema
+def _optional_group_with_repeat(regex: str) -> bool:
+    """Whether ``regex`` has a group made optional or repeated (``(...)?``, ``(...)*``) whose body
+    repeats something itself (``+``, ``*``, ``{``): xgrammar's JSON-schema pattern conversion
+    lets such a group skip its leading part (``^1(x[a-z]+)?$`` accepted "1ab"; probed)."""
+    stack: list[tuple[int, bool]] = []  # (start, body has a repeat)
+    i, in_class = 0, False
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "(":
+            stack.append((i, False))
+        elif c in "+*{" and stack:
+            stack[-1] = (stack[-1][0], True)
+        elif c == ")" and stack:
+            _, repeats = stack.pop()
+            if repeats and regex[i + 1:i + 2] in ("?", "*"):
+                return True
+            if repeats and stack:
+                stack[-1] = (stack[-1][0], True)
+        i += 1
+    return False
+
+
 def _check_keywords(schema: dict, where: str, root: Any) -> None:
     if schema.get("pattern") in (TIME_PATTERN, DATE_TIME_PATTERN):
         # xgrammar's JSON-pattern conversion accepts e.g. "11:29:322-12:12" for the time
         # pattern (an optional fraction group before the zone alternation is misread)
         raise _err(where, "JSON schema format 'time' / 'date-time' is not enforced exactly by the xgrammar backend")
+    if isinstance(schema.get("pattern"), str) and _optional_group_with_repeat(schema["pattern"]):
+        raise _err(where, "JSON schema 'pattern' with an optional group that repeats inside is not enforced "
+                          "exactly by the xgrammar backend (it can skip the group's leading part)")
     required, props = schema.get("required"), schema.get("properties")
     if isinstance(required, list):
         listed = props if isinstance(props, dict) else {}
