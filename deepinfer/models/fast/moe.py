@@ -71,12 +71,19 @@ def stacked_experts(moe: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, t
     stacks, so memory is not doubled and the reference path keeps reading the same values."""
     stacks = getattr(moe, "_fast_stacks", None)
     experts = _experts(moe)
-    if stacks is not None and stacks[0].data_ptr() == experts[0].w1.weight.data_ptr():
+    lin = experts[0].w1
+    # experts that keep only checkpoint bytes dequantize on every `.weight` read: key the
+    # stacks on those bytes (a read inside a CUDA graph capture would copy from the host)
+    dense = lin._parameters.get("weight") is not None or lin.quantized is None
+    key = lin.weight.data_ptr() if dense else lin.quantized.data.data_ptr()
+    if stacks is not None and getattr(moe, "_fast_stacks_key", None) == key:
         return stacks
     stacks = tuple(torch.stack([getattr(ex, n).weight.data for ex in experts]) for n in ("w1", "w3", "w2"))
-    for e, ex in enumerate(experts):
-        ex.w1.weight.data, ex.w3.weight.data, ex.w2.weight.data = stacks[0][e], stacks[1][e], stacks[2][e]
-    moe._fast_stacks = stacks
+    if dense:
+        for e, ex in enumerate(experts):
+            ex.w1.weight.data, ex.w3.weight.data, ex.w2.weight.data = stacks[0][e], stacks[1][e], stacks[2][e]
+        key = experts[0].w1.weight.data_ptr()
+    moe._fast_stacks, moe._fast_stacks_key = stacks, key
     return stacks
 
 
