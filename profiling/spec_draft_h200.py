@@ -32,7 +32,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,8 +39,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
+from fastpath_bench import commit  # noqa: E402  (DEEPINFER_COMMIT first: the GPU host's checkout reports another HEAD)
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.models.fast.decode_graphs import BUCKETS  # noqa: E402
@@ -50,11 +51,6 @@ MODEL = "deepinfer-tiny-dspark"
 K = 5
 
 
-def commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=ROOT).strip()
-    except Exception:
-        return os.environ.get("DEEPINFER_COMMIT", "unknown")
 
 
 def sync() -> None:
