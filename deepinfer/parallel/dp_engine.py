@@ -51,6 +51,8 @@ __all__ = ["DataParallelEngine", "RankFailedError", "split_requests", "REPLY_SLA
 #: seconds a rank may answer later than the first rank of a call, beyond the collective
 #: timeout (ranks run in lockstep: any longer and it is stopped or hung)
 REPLY_SLACK_S: float = 10.0
+#: how long a failed call waits for a silent peer's exit to show (its death names the cause)
+DEATH_GRACE_S: float = 1.0
 
 
 class RankFailedError(RuntimeError):
@@ -224,7 +226,14 @@ class DataParallelEngine:
                         if deadline is None:
                             deadline = time.monotonic() + self.timeout_s + REPLY_SLACK_S
                         if status == "error" and not isinstance(value[0], DeepInferError) and pending:
-                            break  # the group is broken: waiting for the peers' timeouts helps nobody
+                            # the group is broken: waiting for the peers' timeouts helps nobody. A peer
+                            # that died is often the cause (its exit reaches us after the survivor's
+                            # collective error): name it when it is gone within a moment
+                            for q in sorted(pending):
+                                self._procs[q].join(timeout=DEATH_GRACE_S)
+                                if not self._procs[q].is_alive():
+                                    self._rank_died(q, cmd, replies)
+                            break
                         continue
                 except (EOFError, OSError):  # the pipe closed: the process is going away
                     self._procs[r].join(timeout=5)
