@@ -169,3 +169,21 @@ def test_startup_curve_is_cached_per_hardware_and_model_and_reloaded(ckpt, monke
     files[0].unlink()
     assert sc.curve_for_engine(first)[1] == "profiled"
     assert not files[0].exists()
+
+
+def test_startup_profile_times_the_verify_graphs(ckpt, monkeypatch, tmp_path):
+    """The curve is profiled after the verify graphs are captured, through the spec runner's
+    own forward: it times the graphed verify steps the scheduler plans for, not the eager
+    reference forward (which it timed before, many times slower on a GPU)."""
+    monkeypatch.setenv(ENV_CURVE, "profile")
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_WARMUP", "1")  # the start-up capture, emulated on the host
+    llm = make_llm(ckpt, num_speculative_tokens=3, enable_mtp_varlen=True, max_num_seqs=4)
+    spec = llm.runner.spec
+    assert spec.curve_source == "profiled" and llm.runner.fast.graphs.sealed
+    verify = spec.verify_executor(llm.runner)
+    assert verify.counts["graph_steps"] > 0 and verify.counts["eager_steps"] == 0  # the profile's steps
+    replayed = {key[1] for key in llm.runner.fast.graphs.replays if key[0] == "verify"}
+    assert max(replayed) >= 4  # a multi-request size of the curve replayed its verify graph

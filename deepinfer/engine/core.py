@@ -115,6 +115,9 @@ class EngineCore:
             setup_speculative(self)
         #: decode CUDA graph shapes captured at start, largest first (0 off the fast path)
         self.graphs_warmed = self.runner.warmup(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size)
+        if cfg.num_speculative_tokens > 0:
+            from deepinfer.spec import measure_step_curve
+            measure_step_curve(self)  # times the verify steps just warmed (graphs included)
         # grammars compile in worker threads; xgrammar itself loads on the first constrained request
         self.structured = StructuredOutputManager(self.tokenizer, mcfg.vocab_size, self.eos_token_id,
                                                   self.device, cfg.max_num_seqs)

@@ -58,9 +58,17 @@ def setup(llm) -> None:
     drafter.fast_ops = fast.ops if fast is not None else None  # drafters that can, run the fused kernels
     if fast is not None and hasattr(drafter, "prepare_graphs"):  # the draft step's graphs, captured now
         drafter.prepare_graphs(llm.config.max_num_seqs, fast.graphs_enabled)
-    curve, source = None, "default"
-    if llm.config.enable_mtp_varlen:  # the confidence scheduler needs T(verify tokens)
-        from .step_curve import curve_for_engine
-        curve, source = curve_for_engine(llm)
-    llm.runner.spec = SpecDecoder(drafter, k, varlen=llm.config.enable_mtp_varlen, curve=curve, curve_source=source)
+    # the confidence scheduler's T(verify tokens) is measured by `measure_step_curve` once the
+    # verify graphs are captured (`ModelRunner.warmup`): it times the steps verification runs
+    llm.runner.spec = SpecDecoder(drafter, k, varlen=llm.config.enable_mtp_varlen)
     llm.scheduler.config.num_lookahead_tokens = drafter.lookahead
+
+
+def measure_step_curve(llm) -> None:
+    """Give a confidence-scheduled engine (enable_mtp_varlen) its step-time curve: measured on
+    this engine's verify path at start-up, or reloaded from the per-hardware + model cache."""
+    spec = llm.runner.spec
+    if spec is None or not llm.config.enable_mtp_varlen:
+        return
+    from .step_curve import curve_for_engine
+    spec.curve, spec.curve_source = curve_for_engine(llm)

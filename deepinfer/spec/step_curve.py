@@ -132,6 +132,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _verify_logits(llm, so, batch) -> torch.Tensor:
+    """Every row's logits through the path a verify step of ``so``'s shape takes: the spec
+    runner's (verify graphs, compiled prefill or reference), the model's without one."""
+    spec = llm.runner.spec
+    if spec is None:
+        return llm.model.compute_logits(llm.model(batch, llm.kv_cache))
+    _, _, logits_of = spec._forward(llm.runner, so, batch)
+    return logits_of(torch.arange(batch.num_tokens, device=llm.device))
+
+
 @torch.no_grad()
 def profile_step_curve(llm, max_tokens: int, repeats: int = 2, budget_s: float = 20.0) -> StepTimeCurve:
     """Time verify-shaped steps of ``llm``'s model at total sizes 1, 2, 4, ... <= max_tokens
@@ -155,8 +165,9 @@ def profile_step_curve(llm, max_tokens: int, repeats: int = 2, budget_s: float =
         while left:
             r, v = len(reqs), min(per_req, left)
             ids = [(7 * r + j) % llm.model_config.vocab_size for j in range(v)]
+            # continuing requests (not new): the step verification runs, decode-like
             reqs.append(ScheduledRequest(f"profile-{r}", ids, 0, {g: [r % n_blocks] for g in pools}, r % slots,
-                                         True, True, greedy, 0, v))
+                                         False, True, greedy, 0, v, num_draft_tokens=v - 1))
             left -= v
         so = SchedulerOutput(reqs, n)
         times = []
@@ -164,8 +175,7 @@ def profile_step_curve(llm, max_tokens: int, repeats: int = 2, budget_s: float =
             _sync(llm.device)
             t0 = time.perf_counter()
             batch = runner.build_batch(so)
-            hidden = llm.model(batch, llm.kv_cache)
-            logits = llm.model.compute_logits(hidden)
+            logits = _verify_logits(llm, so, batch)
             params = SamplingTensors.from_params([greedy] * n, list(range(n)), llm.device)
             runner.sampler.sample(logits, params).token_ids.tolist()
             _sync(llm.device)
