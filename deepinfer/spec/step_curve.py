@@ -51,7 +51,7 @@ from .scheduling import StepTimeCurve
 
 ENV_CURVE = "DEEPINFER_SPEC_STEP_CURVE"  # declared in deepinfer/envs.py
 CACHE_ENV = "DEEPINFER_SPEC_STEP_CURVE_CACHE"  # declared in deepinfer/envs.py: 0 = no start-up curve cache
-CACHE_VERSION = 1  # bump when the profile's method changes: older cached curves are then ignored
+CACHE_VERSION = 2  # bump when the profile's method changes: older cached curves are then ignored
 SIGNATURE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
                   "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "vocab_size")
 
