@@ -44,9 +44,8 @@ ISSUE_CASES = {
 }
 #: Schemas that only llguidance enforces exactly (auto must choose it), each walked and validated.
 LLG_ONLY = {
-    "allOf": {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
-                        {"properties": {"b": {"type": "string", "maxLength": 3}}, "required": ["b"]}]},
-    "type_beside_anyOf": {"type": "string", "anyOf": [{"maxLength": 3}, {"pattern": "^a+$"}]},
+    "allOf": {"allOf": [{"type": "string", "pattern": "^a"}, {"pattern": "^[ab]{1,3}$"}]},  # patterns: no merge
+    "type_beside_anyOf": {"type": "string", "pattern": "^a", "anyOf": [{"maxLength": 3}, {"pattern": "^[ab]+$"}]},
     "enum_with_maxLength": {"enum": ["aaaa", "b", "cc"], "maxLength": 2},
     "pattern_with_maxLength": {"type": "string", "pattern": "^a*$", "maxLength": 3},
     "format_with_maxLength": {"type": "string", "format": "email", "maxLength": 12},
@@ -57,6 +56,19 @@ LLG_ONLY = {
     "hostname": {"type": "string", "format": "hostname"},
     "number_multipleOf": {"type": "number", "multipleOf": 0.25, "minimum": 1, "maximum": 3},
     "integer_fractional_bound": {"type": "integer", "minimum": 2.5, "maximum": 9},
+    "ref_with_siblings": {"$defs": {"s": {"type": "string", "pattern": "^a"}}, "$ref": "#/$defs/s",
+                          "pattern": "^[ab]{1,3}$"},
+    "disjoint_oneOf_beside_type": {"type": "object", "oneOf": [
+        {"properties": {"k": {"const": "a"}}, "required": ["k"]},
+        {"properties": {"k": {"const": "b"}, "n": {"type": "integer", "multipleOf": 3, "minimum": 1}},
+         "required": ["k", "n"]}]},
+}
+#: Schemas that were llguidance's until the siblings of their combinators were pushed into the
+#: branches (``branch_pushdown``): now xgrammar's, exactly.
+XGRAMMAR_AFTER_PUSHDOWN = {
+    "allOf": {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                        {"properties": {"b": {"type": "string", "maxLength": 3}}, "required": ["b"]}]},
+    "type_beside_anyOf": {"type": "string", "anyOf": [{"maxLength": 3}, {"pattern": "^a+$"}]},
     "ref_with_siblings": {"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2},
     "disjoint_oneOf_beside_type": {"type": "object", "oneOf": [
         {"properties": {"k": {"const": "a"}}, "required": ["k"]},
@@ -109,6 +121,12 @@ def test_auto_takes_llguidance_where_only_it_is_exact(name: str, pool, fresh_see
         plan_spec(StructuredOutputSpec("json", schema), "xgrammar")
     backend, completed = _walk_and_validate(pool, schema, fresh_seed)
     assert backend == "llguidance" and completed >= 5, (backend, completed)
+
+
+@pytest.mark.parametrize("name", sorted(XGRAMMAR_AFTER_PUSHDOWN))
+def test_pushed_down_siblings_are_xgrammars(name: str, pool, fresh_seed: int) -> None:  # type: ignore
+    backend, completed = _walk_and_validate(pool, XGRAMMAR_AFTER_PUSHDOWN[name], fresh_seed)
+    assert backend == "xgrammar" and completed >= 5, (backend, completed)
 
 
 def test_selection_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,10 +31,11 @@ _DEFS = {"definitions": {"obj": {"type": "object", "properties": {"k": {"type": 
                          "alias": {"$ref": "#/definitions/obj"}}}
 #: schema -> the backend auto must choose (each was rejected before its rewrite existed)
 ADMITTED = {
+    # proved disjoint before either backend sees them, so oneOf reaches xgrammar as anyOf
     "oneOf_ref_or_null": ({**_DEFS, "type": "object", "properties": {"x": {"oneOf": [
-        {"$ref": "#/definitions/alias"}, {"type": "null"}]}}}, "llguidance"),  # xgrammar's own check refuses
+        {"$ref": "#/definitions/alias"}, {"type": "null"}]}}}, "xgrammar"),
     "oneOf_array_or_ref": ({**_DEFS, "oneOf": [{"type": "array", "items": {"$ref": "#/definitions/obj"},
-                                                "maxItems": 2}, {"$ref": "#/definitions/obj"}]}, "llguidance"),
+                                                "maxItems": 2}, {"$ref": "#/definitions/obj"}]}, "xgrammar"),
     "dependencies_names": ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                             "dependencies": {"a": ["b"]}}, "llguidance"),
     "dependencies_schema": ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
@@ -115,8 +116,11 @@ def test_disjointness_needs_a_proof() -> None:
     root = {"$defs": {"s": {"type": "string"}}}
     assert provably_disjoint({"$ref": "#/$defs/s"}, {"type": "null"}, root)
     assert not provably_disjoint({"$ref": "#/$defs/missing"}, {"type": "null"}, root)
+    # without a type, a string validates both branches, so oneOf refuses it: objects only, exactly
+    plan = plan_spec(StructuredOutputSpec("json", {"oneOf": [disc_a, disc_b]}))
+    assert all(b.get("type") == "object" for b in plan.source["anyOf"])
     with pytest.raises(InvalidRequestError, match="may overlap"):  # overlapping oneOf stays refused
-        plan_spec(StructuredOutputSpec("json", {"oneOf": [disc_a, disc_b]}))
+        plan_spec(StructuredOutputSpec("json", {"oneOf": [disc_a, {"type": "string"}]}))
 
 
 _GUARD = r"""

@@ -92,7 +92,8 @@ IGNORED_BY_XGRAMMAR = {
     "format-iri": ({"type": "string", "format": "iri"}, '" "', "'iri' is not enforced"),
     "format-ipv4": ({"type": "string", "format": "ipv4"}, '"01.2.3.4"', "'ipv4' is only approximated"),
     "format-hostname": ({"type": "string", "format": "hostname"}, '"' + "a" * 70 + '"', "'hostname'"),
-    "allOf": ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "1", "allOf"),
+    # (mergeable allOf members are merged into one schema: only unmergeable ones reach here)
+    "allOf": ({"allOf": [{"type": "string", "pattern": "^a"}, {"pattern": "b$"}]}, '"a"', "allOf"),
     "oneOf": ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "1", "oneOf"),
     "dependentRequired": ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                            "dependentRequired": {"a": ["b"]}}, '{"a":1}', "dependentRequired"),

@@ -11,7 +11,10 @@ Both grammar backends enforce ``oneOf`` only as ``anyOf`` (xgrammar) or not at a
   objects, so a branch with no ``type`` of its own cannot overlap a ``"type": "string"``
   branch there);
 * a discriminator: a property both branches require, each pinning it to ``const`` /
-  ``enum`` values the other does not allow.
+  ``enum`` values the other does not allow, or to disjoint subschemas (proved the same way);
+* a property one branch requires and the other forbids (``false``, or not listed where
+  ``additionalProperties`` is ``false`` and no ``patternProperties`` name matches);
+* ``const`` / ``enum`` values the other branch's values do not include.
 
 Anything not proved is "may overlap" (the caller refuses the ``oneOf``): a proof may be
 missed, never invented.
@@ -19,6 +22,7 @@ missed, never invented.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 __all__ = ["provably_disjoint", "resolve_ref", "evident_types"]
@@ -100,27 +104,58 @@ def _meet(a: set[str] | None, b: set[str] | None) -> set[str] | None:
     return a & b
 
 
-def _pinned(schema: Any, prop: str, root: Any) -> list | None:
-    """The values property ``prop`` may take, when ``schema`` requires it and pins it."""
-    schema = resolve_ref(schema, root)
-    if not isinstance(schema, dict) or prop not in (schema.get("required") or []):
-        return None
-    props = schema.get("properties")
-    sub = resolve_ref(props.get(prop), root) if isinstance(props, dict) else None
-    if isinstance(sub, dict) and "const" in sub:
-        return [sub["const"]]
-    if isinstance(sub, dict) and isinstance(sub.get("enum"), list):
-        return list(sub["enum"])
+def _values(schema: Any) -> list | None:
+    if isinstance(schema, dict) and "const" in schema:
+        return [schema["const"]]
+    if isinstance(schema, dict) and isinstance(schema.get("enum"), list):
+        return list(schema["enum"])
     return None
+
+
+def _property(schema: dict, prop: str, root: Any) -> Any:
+    """The subschema ``schema`` applies to property ``prop`` (None when unknown)."""
+    props = schema.get("properties")
+    if isinstance(props, dict) and prop in props:
+        return resolve_ref(props[prop], root)
+    patterns = schema.get("patternProperties")
+    if isinstance(patterns, dict) and patterns:
+        try:
+            if any(re.search(p, prop) for p in patterns):
+                return None
+        except re.error:
+            return None
+    return resolve_ref(schema.get("additionalProperties", True), root)
 
 
 def _same(x: Any, y: Any) -> bool:
     return x == y and (isinstance(x, bool) == isinstance(y, bool))
 
 
-def provably_disjoint(a: Any, b: Any, root: Any = None, within: set[str] | None = None) -> bool:
+def _disjoint_values(a: Any, b: Any) -> bool:
+    va, vb = _values(a), _values(b)
+    return va is not None and vb is not None and not any(_same(x, y) for x in va for y in vb)
+
+
+def _required(schema: dict) -> set[str]:
+    req = schema.get("required")
+    return {p for p in req if isinstance(p, str)} if isinstance(req, list) else set()
+
+
+def _objects_disjoint(ra: dict, rb: dict, root: Any, depth: int) -> bool:
+    """No object validates both: a property one requires whose value the other's subschema for
+    it (``false`` when forbidden) can never share."""
+    for prop in _required(ra) | _required(rb):
+        sa, sb = _property(ra, prop, root), _property(rb, prop, root)
+        if sa is not None and sb is not None and provably_disjoint(sa, sb, root, depth=depth + 1):
+            return True
+    return False
+
+
+def provably_disjoint(a: Any, b: Any, root: Any = None, within: set[str] | None = None, depth: int = 0) -> bool:
     """No value validates against both ``a`` and ``b`` (local refs resolved in ``root``; only
     values of the JSON types ``within`` considered, None = all)."""
+    if depth > _MAX_DEPTH:
+        return False
     within = _widen(within)
     ta, tb = _meet(evident_types(a, root), within), _meet(evident_types(b, root), within)
     if ta is not None and tb is not None and not _meet(ta, tb):
@@ -128,13 +163,13 @@ def provably_disjoint(a: Any, b: Any, root: Any = None, within: set[str] | None 
     if (ta is not None and not ta) or (tb is not None and not tb):
         return True  # one branch allows no value of the enclosing types at all
     ra, rb = resolve_ref(a, root), resolve_ref(b, root)
-    if isinstance(ra, dict) and isinstance(rb, dict):  # a required discriminator property
-        req_a, req_b = ra.get("required") or [], rb.get("required") or []
-        if isinstance(req_a, list) and isinstance(req_b, list):
-            for prop in {p for p in req_a if isinstance(p, str)} & {p for p in req_b if isinstance(p, str)}:
-                ca, cb = _pinned(ra, prop, root), _pinned(rb, prop, root)
-                if ca is not None and cb is not None and not any(_same(x, y) for x in ca for y in cb):
-                    # only objects carry the property: other types would still overlap
-                    if (ta is not None and ta <= {"object"}) or (tb is not None and tb <= {"object"}):
-                        return True
-    return False
+    if _disjoint_values(ra, rb):
+        return True
+    for x, y, tx in ((ra, rb, ta), (rb, ra, tb)):  # every branch of x's anyOf / oneOf is disjoint from y
+        branches = x.get("anyOf", x.get("oneOf")) if isinstance(x, dict) else None
+        if isinstance(branches, list) and branches and all(
+                provably_disjoint(z, y, root, tx, depth + 1) for z in branches):
+            return True
+    # only objects carry properties: other types would still overlap
+    objects_only = (ta is not None and ta <= {"object"}) or (tb is not None and tb <= {"object"})
+    return objects_only and isinstance(ra, dict) and isinstance(rb, dict) and _objects_disjoint(ra, rb, root, depth)

@@ -7,13 +7,17 @@ key is an annotation. But a ``$ref`` may point anywhere in the document, e.g.
 while the passes never saw the target, so a keyword xgrammar drops there (a ``required``
 name ``properties`` does not list) went unchecked. :func:`hoist_refs` copies each such target
 to ``$defs/deepinfer-ref-<i>`` and points its refs there: the same schema, every part walked.
+
+:func:`inline_false_refs` replaces a bare ``{"$ref": ...}`` to a definition that admission
+found unsatisfiable (now ``false``) by ``false`` itself: llguidance refuses the reference
+("schema is false") where it accepts the literal (a property that may not be present).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["hoist_refs"]
+__all__ = ["hoist_refs", "inline_false_refs"]
 
 _SUB = frozenset({"additionalProperties", "unevaluatedProperties", "propertyNames", "items", "unevaluatedItems",
                   "additionalItems", "contains", "not", "if", "then", "else"})
@@ -92,3 +96,29 @@ def hoist_refs(schema: dict) -> dict:
     defs.update({name: _replace(t, mapping) for name, t in targets.items()})
     out["$defs"] = defs
     return out
+
+
+def _is_false_ref(node: Any, targets: set[str]) -> bool:
+    return isinstance(node, dict) and node.get("$ref") in targets and all(
+        k in ("$ref", "description", "title", "$comment", "examples", "default") for k in node)
+
+
+def _inline(node: Any, targets: set[str]) -> Any:
+    if isinstance(node, dict):
+        return {k: (v if k in _VALUES else (False if _is_false_ref(v, targets) else _inline(v, targets)))
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [False if _is_false_ref(v, targets) else _inline(v, targets) for v in node]
+    return node
+
+
+def inline_false_refs(schema: dict) -> tuple[dict, bool]:
+    """``schema`` with bare refs to ``false`` members of ``$defs`` / ``definitions`` replaced by
+    ``false``, and whether any was."""
+    targets = {f"#/{key}/{name.replace('~', '~0').replace('/', '~1')}"
+               for key in ("$defs", "definitions") if isinstance(schema.get(key), dict)
+               for name, sub in schema[key].items() if sub is False}
+    if not targets:
+        return schema, False
+    out = _inline(schema, targets)
+    return out, out != schema

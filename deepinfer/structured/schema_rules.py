@@ -36,6 +36,8 @@ import re
 from typing import Any
 
 from deepinfer.errors import InvalidRequestError
+from deepinfer.structured.branch_pushdown import PushContext, push_down
+from deepinfer.structured.oneof_rewrite import one_of_as_any_of
 from deepinfer.structured.patterns import DATE_PATTERN, DATE_TIME_PATTERN, TIME_PATTERN
 
 __all__ = ["normalize_schema", "schema_error", "SPEC_FORMATS", "INT64_MIN", "INT64_MAX"]
@@ -52,6 +54,8 @@ _SUB = ("additionalProperties", "unevaluatedProperties", "propertyNames", "items
         "additionalItems", "contains", "not", "if", "then", "else")
 _SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 _SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_OBJECT_ONLY = ("properties", "required", "additionalProperties", "patternProperties", "minProperties",
+                "maxProperties", "propertyNames", "dependencies", "dependentRequired", "dependentSchemas")
 _BOUND_PAIRS = (("minLength", "maxLength", "string"), ("minItems", "maxItems", "array"),
                 ("minProperties", "maxProperties", "object"))
 
@@ -163,23 +167,41 @@ def _double_inside(v: int, low: bool) -> int:
 
 
 def _check_object(schema: dict, where: str) -> None:
+    """Object keywords no object satisfies: unsatisfiable when only objects are allowed (or no
+    ``type`` is given); when ``type`` lists others, exactly "not an object" (the keywords bind
+    objects only), so ``object`` leaves ``type``; when ``type`` excludes objects, the object
+    keywords never apply and are dropped."""
+    types = _types(schema, where)
+    if types is not None and "object" not in types:  # e.g. "required" beside "type": "integer"
+        for key in _OBJECT_ONLY:
+            schema.pop(key, None)  # never applies (and xgrammar would refuse some)
+        return
+    try:
+        _object_contradiction(schema, where)
+    except Unsatisfiable:
+        if types is None or types == {"object"}:
+            raise  # without a type, object keywords say an object is meant: refused as before
+        schema["type"] = [t for t in _TYPES if t != "object" and t in types]
+
+
+def _object_contradiction(schema: dict, where: str) -> None:
     required = schema.get("required", [])
     if not isinstance(required, list):
         return
     if isinstance(schema.get("maxProperties"), int) and len(set(required)) > schema["maxProperties"]:
         raise _unsat(f"{where}/required", f"{len(set(required))} 'required' properties but 'maxProperties' "
                                                 f"{schema['maxProperties']}: no object satisfies both")
-    if schema.get("additionalProperties") is not False:
-        return
     props = schema.get("properties", {}) if isinstance(schema.get("properties"), dict) else {}
     patterns = [p for p in schema.get("patternProperties", {})] if isinstance(
         schema.get("patternProperties"), dict) else []
+    closed = schema.get("additionalProperties") is False
     for name in required:
         sub = props.get(name)
         matched = [p for p in patterns if _search(p, name)]
-        if (name not in props and not matched) or (sub is False and not matched):
+        if (closed and name not in props and not matched) or (sub is False and not matched):
             raise _unsat(f"{where}/required", f"required property {name!r} is not allowed by "
-                                                    f"'additionalProperties': false (no object satisfies the schema)")
+                                                    f"'additionalProperties': false or a 'false' schema "
+                                                    f"(no object satisfies the schema)")
 
 
 def _search(pattern: str, name: str) -> bool:
@@ -198,6 +220,9 @@ def _rewrite_format(schema: dict, out: dict, where: str, types: set[str] | None)
         # draft 3: a number of milliseconds since the epoch; every number is one
         del out["format"]
         return
+    if fmt == "idn-email":  # narrowing: an ASCII address is an internationalized one too
+        out["format"] = "email"
+        return
     if fmt in _FORMAT_PATTERNS:
         if "pattern" in schema:
             raise schema_error(where, f"JSON schema 'format': {fmt!r} together with 'pattern' is not supported "
@@ -206,7 +231,21 @@ def _rewrite_format(schema: dict, out: dict, where: str, types: set[str] | None)
         out["pattern"] = _FORMAT_PATTERNS[fmt]
 
 
-def _walk(schema: Any, where: str) -> Any:
+def _walk(schema: Any, where: str, ctx: PushContext) -> Any:
+    if not isinstance(schema, dict):
+        return _walk_node(schema, where, ctx)
+    schema = push_down(schema, ctx)
+    if schema is False:
+        raise _unsat(where, "its keywords and those of its allOf / oneOf / anyOf / $ref contradict each "
+                            "other (unsatisfiable)")
+    inlined = ctx.take_fresh()
+    try:
+        return _walk_node(schema, where, ctx)
+    finally:
+        ctx.active -= inlined
+
+
+def _walk_node(schema: Any, where: str, ctx: PushContext) -> Any:
     if isinstance(schema, bool):
         return schema
     if not isinstance(schema, dict):
@@ -221,7 +260,7 @@ def _walk(schema: Any, where: str) -> Any:
     for key in _SUB:
         if key in schema and not isinstance(schema[key], list):
             try:
-                out[key] = _walk(schema[key], f"{where}/{key}")
+                out[key] = _walk(schema[key], f"{where}/{key}", ctx)
             except Unsatisfiable:
                 if key == "not":  # "not" of nothing holds for every value
                     del out["not"]
@@ -235,38 +274,44 @@ def _walk(schema: Any, where: str) -> Any:
     required = schema.get("required") if isinstance(schema.get("required"), list) else []
     for key in _SUB_MAPS:
         if isinstance(schema.get(key), dict):
-            out[key] = {name: _walk_member(key, name, v, f"{where}/{key}/{name}", required)
+            out[key] = {name: _walk_member(key, name, v, f"{where}/{key}/{name}", required, ctx)
                         for name, v in schema[key].items()}
     for key in _SUB_LISTS:
         if isinstance(schema.get(key), list):
             if not schema[key] and key in ("anyOf", "oneOf", "allOf"):
                 raise schema_error(f"{where}/{key}", f"'{key}' must be a non-empty list (an empty one is invalid)")
-            out[key] = _walk_list(key, schema[key], f"{where}/{key}")
+            out[key] = _walk_list(key, schema[key], f"{where}/{key}", ctx)
     _check_object(out, where)  # after the members: a required property may have become false
-    return out
+    rewritten = one_of_as_any_of(out, ctx.root)
+    if rewritten is not out and rewritten["anyOf"] is not out["oneOf"]:  # branches restricted: walk them
+        rewritten["anyOf"] = _walk_list("anyOf", rewritten["anyOf"], f"{where}/oneOf", ctx)
+    return rewritten
 
 
-def _walk_member(key: str, name: str, sub: Any, where: str, required: list) -> Any:
+def _walk_member(key: str, name: str, sub: Any, where: str, required: list, ctx: PushContext) -> Any:
     """A member of ``properties`` / ``patternProperties`` / ``$defs`` ...: an unsatisfiable one
     becomes ``false`` (exactly what it allows: nothing); the enclosing object can still be
     satisfied without it unless it is required (then ``_check_object`` reports it)."""
     if isinstance(sub, list) and key == "dependencies":
         return sub  # a property dependency (names), not a schema
     try:
-        return _walk(sub, where)
+        return _walk(sub, where, ctx)
     except Unsatisfiable:
         if (key == "properties" and name in required) or key in ("dependentSchemas", "dependencies"):
             raise
         return False
 
 
-def _walk_list(key: str, items: list, where: str) -> list:
-    """anyOf / oneOf branches that allow nothing are dropped (they never match); allOf and
-    prefixItems keep the error."""
+def _walk_list(key: str, items: list, where: str, ctx: PushContext) -> list:
+    """anyOf / oneOf branches that allow nothing (``false`` included) are dropped (they never
+    match); allOf and prefixItems keep the error."""
     out, first = [], None
     for i, sub in enumerate(items):
         try:
-            out.append(_walk(sub, f"{where}/{i}"))
+            walked = _walk(sub, f"{where}/{i}", ctx)
+            if walked is False and key in ("anyOf", "oneOf"):
+                raise _unsat(f"{where}/{i}", "the branch is 'false' (it never matches)")
+            out.append(walked)
         except Unsatisfiable as e:
             if key not in ("anyOf", "oneOf"):
                 raise
@@ -279,6 +324,12 @@ def _walk_list(key: str, items: list, where: str) -> list:
 def normalize_schema(schema: dict) -> dict:
     """Raise InvalidRequestError (keyword and JSON path) for a contradictory schema; else
     return the rewritten schema that the backend checks and compile."""
-    from deepinfer.structured.ref_hoist import hoist_refs
+    from deepinfer.structured.ref_hoist import hoist_refs, inline_false_refs
 
-    return _walk(hoist_refs(schema), "schema")
+    out = hoist_refs(schema)
+    for _ in range(4):  # a definition found unsatisfiable may make those that use it so
+        out = _walk(out, "schema", PushContext.of(out))
+        out, changed = inline_false_refs(out)
+        if not changed:
+            return out
+    return _walk(out, "schema", PushContext.of(out))
