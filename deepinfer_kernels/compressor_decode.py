@@ -2,7 +2,7 @@
 windows), in one launch: ring write, pooled window softmax, RMSNorm, RoPE, and the
 conditional entry and overlap-tail writes.
 
-Math of ``deepinfer.models.compressor.Compressor.forward`` for ``seq.length == 1``
+Math of ``deepinfer.models.v4.compressor.Compressor.forward`` for ``seq.length == 1``
 (request at position p, state slot s, ratio r, entry width d, C = coff * d columns):
 
 * ``sc = float(wgate(x)) + ape[p % r]``; ring[s, p % L] = (kv, sc) in float32;

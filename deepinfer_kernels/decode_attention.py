@@ -233,7 +233,7 @@ def decode_attention_ref(q: torch.Tensor, positions: torch.Tensor, swa_pool: tor
 def _attend_ref(q: torch.Tensor, positions: torch.Tensor, swa_pool: torch.Tensor, swa_table: torch.Tensor,
                 window: int, sink: torch.Tensor, comp_pool: torch.Tensor | None, comp_table: torch.Tensor | None,
                 ratio: int, topk_idx: torch.Tensor | None, floor: torch.Tensor | None = None) -> torch.Tensor:
-    from deepinfer.models.kv_cache import gather_rows
+    from deepinfer.models.paged_batch import gather_rows
 
     outs = []
     for r in range(q.shape[0]):

@@ -1,5 +1,5 @@
 """DeepSeek-V4.1's Engram memory on the decode path, two launches per step and layer
-instead of a few dozen torch ops (``deepinfer.models.engram`` is the reference):
+instead of a few dozen torch ops (``deepinfer.models.v41.engram`` is the reference):
 
 * :func:`engram_hash` - one launch per step for every Engram layer: each row's token goes
   into the paged token store, its look-back ``p - 1 .. p - N + 1`` comes from the same
@@ -144,7 +144,7 @@ def engram_gate(engram: torch.nn.Module, streams: torch.Tensor, kv: torch.Tensor
 def engram_gate_ref(engram: torch.nn.Module, streams: torch.Tensor, kv: torch.Tensor,
                     pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Torch reference of :func:`engram_gate`: ``hc_expand`` and ``Engram.gate``."""
-    from deepinfer.models.v41_layers import hc_expand
+    from deepinfer.models.v41.layers import hc_expand
 
     if pending is not None:
         streams = hc_expand(pending[0], streams, pending[1], pending[2])

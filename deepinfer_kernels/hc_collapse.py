@@ -1,5 +1,5 @@
 """DeepSeek-V4.1's model head input in one launch: the last sublayer's mHC expansion
-(``v41_layers.hc_expand``, pending after the last MoE), the collapse of the streams with
+(``v41.layers.hc_expand``, pending after the last MoE), the collapse of the streams with
 the head's ``pre`` (``hc_collapse``), and the final RMSNorm (optional). The reference takes about
 sixteen torch ops for it (a loop over the streams in each of the first two).
 
@@ -78,7 +78,7 @@ def hc_collapse_norm_ref(streams: torch.Tensor, pre: torch.Tensor, norm: tuple[t
     from types import SimpleNamespace
 
     from deepinfer.models.norm import RMSNorm
-    from deepinfer.models.v41_layers import hc_collapse, hc_expand
+    from deepinfer.models.v41.layers import hc_collapse, hc_expand
 
     if prev is not None:
         streams = hc_expand(prev[0], streams, prev[1], prev[2])

@@ -1,6 +1,6 @@
 """Lightning-indexer scores and top-k for CSA decode (one query per request).
 
-Math of ``deepinfer.models.compressor.Indexer.select`` for one query row at position
+Math of ``deepinfer.models.v4.compressor.Indexer.select`` for one query row at position
 p, in float32: ``score_n = sum_h w_h * relu(q_h . k_n) * Dh^-0.5`` over the compressed
 index keys n < (p + 1) // ratio (later entries are -inf), where ``w`` is
 ``float(weights) * weight_scale`` (``weights_proj(x)`` and ``n_heads^-0.5``, passed in)
@@ -98,7 +98,7 @@ def indexer_topk_ref(q: torch.Tensor, weights: torch.Tensor, positions: torch.Te
     and stable sort of ``Indexer.select`` per request, keys read with ``gather_rows``."""
     from types import SimpleNamespace
 
-    from deepinfer.models.kv_cache import gather_rows
+    from deepinfer.models.paged_batch import gather_rows
     from deepinfer.models.rope import Rotary, apply_rope
 
     if rope_inv_freq is not None:

@@ -480,7 +480,7 @@ def hc_shifted(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
                prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                tuning: MhcTuning | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DeepSeek-V4.1's shifted mHC site (``v41_layers.hc_mixes`` / ``hc_collapse`` /
+    """DeepSeek-V4.1's shifted mHC site (``v41.layers.hc_mixes`` / ``hc_collapse`` /
     ``hc_expand``): ``prev=(out, post, comb)`` first applies the previous sublayer's
     expansion in float32 with one rounding; this site's (pre, post, comb) come from the
     new streams, but the sublayer input collapses them with ``pre_in`` [T, N] (the
@@ -527,7 +527,7 @@ def hc_head_ref(streams, fn, base, scale, hc_eps, norm_eps, norm=None, prev=None
 def hc_shifted_ref(streams, fn, base, scale, iters, hc_eps, norm_eps, pre_in, norm=None, prev=None):
     """Torch reference of :func:`hc_shifted`: V4.1's own ``hc_expand``, ``hc_mixes``,
     ``hc_collapse`` (+ RMSNorm)."""
-    from deepinfer.models.v41_layers import hc_collapse, hc_expand, hc_mixes
+    from deepinfer.models.v41.layers import hc_collapse, hc_expand, hc_mixes
 
     new = None
     if prev is not None:

@@ -215,7 +215,7 @@ def prefill_attention_ref(q: torch.Tensor, positions: torch.Tensor, row_req: tor
                           num_warps: int | None = None, floor: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference with the signature of :func:`prefill_attention`: per request, the key
     gathering, masks and softmax of ``Attention._attend_one`` (``gather_rows`` layout)."""
-    from deepinfer.models.kv_cache import gather_rows
+    from deepinfer.models.paged_batch import gather_rows
 
     out = torch.empty_like(q)
     for r, first, n in _request_rows(row_req):

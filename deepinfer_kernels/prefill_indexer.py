@@ -1,6 +1,6 @@
 """Lightning-indexer scores and top-k for prefill chunks (many query rows per request).
 
-Math of ``deepinfer.models.compressor.Indexer.select`` for every row at once: a row at
+Math of ``deepinfer.models.v4.compressor.Indexer.select`` for every row at once: a row at
 position p scores the compressed index keys n < (p + 1) // ratio of its request (paged
 pool [blocks, block_size / ratio, Dh] via its ``table`` row) with
 ``score_n = sum_h w_h * relu(q_h . k_n) * Dh^-0.5`` in float32 (``w`` =
@@ -123,7 +123,7 @@ def prefill_indexer_topk_ref(q: torch.Tensor, weights: torch.Tensor, positions: 
                              max_score_elems: int = 1 << 26, host_tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference with the signature of :func:`prefill_indexer_topk`: per request the
     scoring of ``Indexer.select`` (float32) over its keys, then the same selection."""
-    from deepinfer.models.kv_cache import gather_rows
+    from deepinfer.models.paged_batch import gather_rows
 
     from .prefill_attention import _request_rows
 

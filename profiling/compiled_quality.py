@@ -30,8 +30,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from deepinfer.models.default_model import resolve_model  # noqa: E402
 from deepinfer.models.fast.prefill import PrefillPath, prefill_ops  # noqa: E402
-from deepinfer.models.kv_cache import ForwardBatch, SeqMeta  # noqa: E402
 from deepinfer.models.loader import load_model  # noqa: E402
+from deepinfer.models.paged_batch import ForwardBatch, SeqMeta  # noqa: E402
 from deepinfer.models.standalone import StandaloneRunner  # noqa: E402
 from deepinfer.tokenizer import load_tokenizer  # noqa: E402
 from deepinfer.train.evaluate import heldout_crops  # noqa: E402

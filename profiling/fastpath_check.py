@@ -81,7 +81,7 @@ def check_prefill(model, lens: tuple) -> dict:
     import torch
 
     from deepinfer.models.fast.prefill import PrefillPath, prefill_ops
-    from deepinfer.models.kv_cache import ForwardBatch, SeqMeta
+    from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
     from deepinfer.models.standalone import StandaloneRunner
 
     dev = next(model.parameters()).device

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from deepinfer.models.fast.decode import kernel_ops  # noqa: E402
 from deepinfer.models.fast.runner import FastPath  # noqa: E402
-from deepinfer.models.kv_cache import ForwardBatch, SeqMeta  # noqa: E402
+from deepinfer.models.paged_batch import ForwardBatch, SeqMeta  # noqa: E402
 from deepinfer.models.standalone import StandaloneRunner  # noqa: E402
 
 

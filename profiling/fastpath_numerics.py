@@ -110,7 +110,7 @@ def attention_f64(args: dict) -> torch.Tensor:
 def attention_variants(args: dict) -> dict[str, torch.Tensor]:
     """Where could the rounding points matter? Re-run the reference math with each
     rounding point toggled (float32 else), to size each one's contribution."""
-    from deepinfer.models.kv_cache import gather_rows
+    from deepinfer.models.paged_batch import gather_rows
     out = {}
     q, pos = args["q"], args["positions"]
     for name, (round_logits, round_probs) in {"ref:f32-probs": (True, False),
@@ -254,7 +254,7 @@ def run_indexer(seeds: int) -> None:
             b = set(tr[r].tolist()) - {-1}
             overlap.append(len(a & b) / max(1, len(b)))
         # scores vs float64
-        from deepinfer.models.kv_cache import gather_rows
+        from deepinfer.models.paged_batch import gather_rows
         for r in range(n_req):
             keys = gather_rows(pool, table[r].tolist(), 0, n_cols)
             n = (int(positions[r]) + 1) // ratio

@@ -16,7 +16,7 @@ profiling/results) with a ``targets`` list of {name, value, target, met}.
 
 ``--size mini_v41``: DeepSeek-V4.1 at `mini` widths (profiling/v41_bounded_replay.py's
 ``mini_v41_config``; V4.1's compiled prefill / mixed steps run the mode's rows too:
-fast/v41_prefill.py), written as ``invariant_compiled_v41_<hardware>_<commit>.json``.
+v41/fast/prefill.py), written as ``invariant_compiled_v41_<hardware>_<commit>.json``.
 """
 
 from __future__ import annotations

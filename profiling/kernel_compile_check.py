@@ -85,7 +85,7 @@ def record_decode_step(size: str, batch: int) -> Recorder:
 
     from deepinfer.models.fast.decode import kernel_ops
     from deepinfer.models.fast.runner import FastPath
-    from deepinfer.models.kv_cache import ForwardBatch, SeqMeta
+    from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
     from deepinfer.models.registry import build_model, family_of, new_kv_cache
     from deepinfer.models.tiny import mini_config
 

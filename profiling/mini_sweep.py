@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.models.config import DeepseekV4Config
 from deepinfer.models.tiny import tiny_config, write_tiny_checkpoint
+from deepinfer.models.v4.config import DeepseekV4Config
 
 HERE = Path(__file__).resolve().parent
 GPU_SWEEP = ["--dtype", "bfloat16", "--max-model-len", "4096", "--workload", "datasets/workloads/mini_chat.jsonl",

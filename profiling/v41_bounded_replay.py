@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 
 from deepinfer.models.bounded_replay import ReplayConfig
-from deepinfer.models.deepseek_v41 import DeepseekV41Model
-from deepinfer.models.kv_cache import ForwardBatch, SeqMeta
+from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
 from deepinfer.models.standalone import StandaloneRunner
 from deepinfer.models.tiny import init_random, tiny_v41_config
+from deepinfer.models.v41.model import DeepseekV41Model
 
 ROOT = Path(__file__).resolve().parent.parent
 

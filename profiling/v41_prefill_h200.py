@@ -1,4 +1,4 @@
-"""Issue 23, V4.1 prefill / mixed steps on the compiled executor (fast/v41_prefill.py): the
+"""Issue 23, V4.1 prefill / mixed steps on the compiled executor (v41/fast/prefill.py): the
 GPU check, then the speed, at `mini` widths through `LLM.generate` (random bf16 weights,
 engines built over models in memory).
 

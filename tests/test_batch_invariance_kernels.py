@@ -238,9 +238,9 @@ def test_model_through_kernels(tmp_path, fresh_seed: int, kernels: dict) -> None
 def test_v41_moe_and_engram_through_kernels(gen: torch.Generator, kernels: dict) -> None:
     """V4.1's MoE (float32 router over logits / gate_temp) and Engram gate (row statistics)
     in the mode on the kernels: row invariant and equal to the mode's torch references."""
-    from deepinfer.models.engram import Engram
+    from deepinfer.models.v41.engram import Engram
     from deepinfer.models.tiny import tiny_v41_config
-    from deepinfer.models.v41_layers import MoE41
+    from deepinfer.models.v41.layers import MoE41
 
     cfg = tiny_v41_config(vocab_size=300)
     moe = MoE41(cfg, cfg.n_routed_experts, cfg.num_experts_per_tok, torch.bfloat16).to(DEVICE)

@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deepinfer.models.config import DeepseekV4Config, ModelConfigError
-from deepinfer.models.deepseek_v4 import DeepseekV4Model
 from deepinfer.models.loader import CheckpointError, load_model
 from deepinfer.models.quant import dequantize_fp4, dequantize_fp8_block
 from deepinfer.models.standalone import StandaloneRunner
 from deepinfer.models.tiny import init_random, save_checkpoint, tiny_config, write_tiny_checkpoint
+from deepinfer.models.v4.config import DeepseekV4Config, ModelConfigError
+from deepinfer.models.v4.model import DeepseekV4Model
 
 SMALL = dict(vocab_size=256)
 
@@ -158,7 +158,7 @@ def test_mtp_stage_loads_and_predicts(tmp_path, fresh_seed):
     assert len(model.mtp) == 1 and model.mtp[0].e_proj.weight.abs().sum() > 0
     runner = StandaloneRunner(model, 1, 300)
     toks = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(fresh_seed))
-    from deepinfer.models.kv_cache import ForwardBatch, SeqMeta
+    from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
     batch = ForwardBatch(toks, torch.arange(40), [SeqMeta(0, 40, 0, runner._table(0), 0, True)])
     streams = model(batch, runner.cache)
     # MTP stage 0 reads the main streams at positions 0..38 and the tokens at 1..39.

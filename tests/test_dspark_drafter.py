@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from deepinfer import SamplingParams
-from deepinfer.models.dspark import ConfidenceHead, MarkovHead
 from deepinfer.models.tiny import tiny_dspark_config, write_tiny_checkpoint
+from deepinfer.models.v4.dspark import ConfidenceHead, MarkovHead
 from deepinfer.spec.dspark_drafter import DSparkDrafter
 
 from spec_common import PARAMS, VOCAB, make_llm, mixed_prompts
@@ -98,7 +98,7 @@ def test_dspark_with_accepted_drafts_equals_no_speculation(ckpt, prompts, refere
 
 def _full_features(model, drafter, tokens: list[int]) -> list[torch.Tensor]:
     """Per stage: the context K/V of every position of ``tokens`` from ONE plain forward."""
-    from deepinfer.models.kv_cache import ForwardBatch, SeqMeta
+    from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
     from deepinfer.models.standalone import StandaloneRunner
 
     sr = StandaloneRunner(model, max_seqs=1, max_len=len(tokens) + 8)
@@ -114,7 +114,8 @@ def _full_features(model, drafter, tokens: list[int]) -> list[torch.Tensor]:
 def test_dspark_window_rows_equal_plain_forward_features(ckpt, prompts, reference):
     """Every context row a block reads (chunked prefill, prefix-cache hits, accepted and
     rolled-back drafts) equals the feature K/V a single plain forward gives that position."""
-    from deepinfer.models.kv_cache import GROUP_SWA, gather_rows
+    from deepinfer.models.v4.kv_cache import GROUP_SWA
+    from deepinfer.models.paged_batch import gather_rows
 
     llm = make_llm(ckpt, num_speculative_tokens=4, max_num_batched_tokens=64)
     drafter = llm.runner.spec.drafter

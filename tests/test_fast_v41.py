@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 on the compiled decode path (deepinfer/models/fast/v41_*.py) on CPU: the
+"""DeepSeek-V4.1 on the compiled decode path (deepinfer/models/v41/fast/) on CPU: the
 batched decode of every layer kind (KV source with ratio-2 pooling and ratio-1
 projection, consumers of shared KV, index sources with the two-level candidate filter,
 Engram, shifted mHC), run with the kernels' torch references (DEEPINFER_FASTPATH=ref) and

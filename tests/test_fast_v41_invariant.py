@@ -1,6 +1,6 @@
 """DeepSeek-V4.1 in batch-invariant mode on the compiled executor, on CPU: the decode steps
-(fast/v41_forward.py, graphs emulated on their padded buffers) and the prefill / mixed
-steps (fast/v41_prefill.py, every row through the decode step's per-row pieces) run the
+(v41/fast/forward.py, graphs emulated on their padded buffers) and the prefill / mixed
+steps (v41/fast/prefill.py, every row through the decode step's per-row pieces) run the
 mode's op namespace over the kernels' torch references (DEEPINFER_FASTPATH=ref,
 DEEPINFER_FAST_PREFILL=ref). Checks: a seeded request's tokens and log-probs are bitwise
 the same alone and among 6 and 63 others (a small token budget spreads its rows over

@@ -1,5 +1,5 @@
-"""DeepSeek-V4.1 prefill / mixed steps on the compiled executor (deepinfer/models/fast/
-v41_prefill*.py) on CPU: every prompt chunk and every mixed step (chunks + decode rows)
+"""DeepSeek-V4.1 prefill / mixed steps on the compiled executor (deepinfer/models/v41/
+fast/prefill*.py) on CPU: every prompt chunk and every mixed step (chunks + decode rows)
 of a generate through the executor, with the kernels' torch references
 (DEEPINFER_FAST_PREFILL=ref), must give the reference path's greedy tokens and log-probs,
 for each bounded-replay mode (off / mask / compact) and with the checkpoint's KV-cache
@@ -119,10 +119,10 @@ def test_v41_prefill_triton_attention_kernels():
     from types import SimpleNamespace
 
     from deepinfer.models.bounded_replay import ReplayConfig
-    from deepinfer.models.deepseek_v41 import DeepseekV41Model
+    from deepinfer.models.v41.model import DeepseekV41Model
     from deepinfer.models.fast.prefill import prefill_ops
-    from deepinfer.models.fast.v41_prefill import PrefillPathV41
-    from deepinfer.models.kv_cache import ForwardBatch, SeqMeta
+    from deepinfer.models.v41.fast.prefill import PrefillPathV41
+    from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
     from deepinfer.models.standalone import StandaloneRunner
     from deepinfer.models.tiny import init_random
     from deepinfer_kernels import indexer_topk, prefill_attention
@@ -209,10 +209,10 @@ def test_v41_prefill_spec_forward_captures_like_reference(replay):
     with ``capture`` (NaN on the rows a compact replay dropped, in the same places), over
     two steps of two requests (a prompt chunk, then its continuation beside a new prompt)."""
     from deepinfer.models.bounded_replay import ReplayConfig
-    from deepinfer.models.deepseek_v41 import DeepseekV41Model
+    from deepinfer.models.v41.model import DeepseekV41Model
     from deepinfer.models.fast.prefill import prefill_ops
-    from deepinfer.models.fast.v41_prefill import PrefillPathV41
-    from deepinfer.models.kv_cache import ForwardBatch, SeqMeta
+    from deepinfer.models.v41.fast.prefill import PrefillPathV41
+    from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
     from deepinfer.models.standalone import StandaloneRunner
     from deepinfer.models.tiny import init_random
 

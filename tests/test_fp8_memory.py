@@ -54,7 +54,7 @@ def test_loading_into_a_materialised_model_frees_dense_copies(tmp_path):
     """load_weights on a model built with every dense weight drops them after reading."""
     write_tiny_checkpoint(str(tmp_path), seed=2, quantize=True, cfg=tiny_config(vocab_size=256))
     ref = load_model(str(tmp_path), dtype="float32")
-    from deepinfer.models.deepseek_v4 import DeepseekV4Model
+    from deepinfer.models.v4.model import DeepseekV4Model
 
     model = DeepseekV4Model(ref.cfg, torch.float32)
     before = weight_bytes(model)["total"]

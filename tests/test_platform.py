@@ -411,7 +411,7 @@ def test_installed_fake_torch_npu(tmp_path: Path) -> None:
                 "assert p.device(0) == torch.device('npu', 0) and p.device().type == 'npu'; print('ok')",
                 env)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
-    proc = _run("import sys, deepinfer.llm, deepinfer.engine.kv_sizing, deepinfer.models.deepseek_v4; "
+    proc = _run("import sys, deepinfer.llm, deepinfer.engine.kv_sizing, deepinfer.models.v4.model; "
                 "from deepinfer.config import EngineConfig; from deepinfer.platform import get_platform; "
                 "EngineConfig.from_kwargs(); get_platform('cpu').op('rms_norm'); "
                 "assert 'torch_npu' not in sys.modules; print('ok')",

@@ -22,8 +22,9 @@ import torch  # noqa: E402
 
 from deepinfer import SamplingParams  # noqa: E402
 from deepinfer.engine.sampler import SamplingTensors  # noqa: E402
-from deepinfer.models.kv_cache import GROUP_CSA, GROUP_HCA, GROUP_SWA, gather_rows  # noqa: E402
+from deepinfer.models.paged_batch import gather_rows  # noqa: E402
 from deepinfer.models.tiny import tiny_config, write_tiny_checkpoint  # noqa: E402
+from deepinfer.models.v4.kv_cache import GROUP_CSA, GROUP_HCA, GROUP_SWA
 from deepinfer.spec import RandomDrafter  # noqa: E402
 from deepinfer.spec.verify import rejection_sample, rejection_sample_device, sample_draft  # noqa: E402
 

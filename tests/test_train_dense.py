@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.models.deepseek_v4 import DeepseekV4Model
-from deepinfer.models.kv_cache import GROUP_SWA, ForwardBatch, SeqMeta, scatter_rows
+from deepinfer.models.fast.decode import kernel_ops
+from deepinfer.models.paged_batch import ForwardBatch, SeqMeta, scatter_rows
 from deepinfer.models.standalone import StandaloneRunner
 from deepinfer.models.tiny import init_random, tiny_config, tiny_dspark_config
+from deepinfer.models.v4.kv_cache import GROUP_SWA
+from deepinfer.models.v4.model import DeepseekV4Model
 from deepinfer.spec.dspark_drafter import DSparkDrafter
-from deepinfer.models.fast.decode import kernel_ops
 from deepinfer.spec.mtp_drafter import MTPDrafter
 from deepinfer.train.dense_dspark import draft_forward, make_blocks, target_features
 from deepinfer.train.dense_model import head_logits, model_forward, mtp_forward

@@ -115,7 +115,7 @@ def test_temperature_fit_calibrates_overconfident_logits() -> None:
 
 
 def test_drafter_applies_the_checkpoints_confidence_temperatures() -> None:
-    from deepinfer.models.deepseek_v4 import DeepseekV4Model
+    from deepinfer.models.v4.model import DeepseekV4Model
     from deepinfer.models.tiny import init_random, tiny_dspark_config
     from deepinfer.spec.dspark_drafter import DSparkDrafter
 

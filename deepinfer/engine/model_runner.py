@@ -24,10 +24,11 @@ from deepinfer import batch_invariant as bi  # (the runner's ``batch_invariant``
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.sampler import Sampler, SamplingTensors, unpack_greedy
 from deepinfer.engine.transfer import HostResult, ResultCopier, to_device
-from deepinfer.models.deepseek_v4 import DeepseekV4Model
 from deepinfer.models.bounded_replay import replay_free
-from deepinfer.models.kv_cache import ForwardBatch, KVCache, SeqMeta
+from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
 from deepinfer.models.registry import family_of
+from deepinfer.models.v4.kv_cache import KVCache
+from deepinfer.models.v4.model import DeepseekV4Model
 from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, WAIT, phase
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.config import EngineConfig
-from deepinfer.models.kv_cache import ForwardBatch, SeqMeta
+from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
 from deepinfer.models.registry import family_of
 
 def step_kinds(block_size: int) -> list[tuple[tuple[int, int, bool], ...]]:

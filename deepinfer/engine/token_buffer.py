@@ -24,7 +24,7 @@ from deepinfer.engine.request import PLACEHOLDER_TOKEN_ID
 from deepinfer.engine.transfer import to_device
 
 if TYPE_CHECKING:
-    from deepinfer.models.kv_cache import ForwardBatch
+    from deepinfer.models.paged_batch import ForwardBatch
 
 __all__ = ["DeviceTokenBuffer"]
 

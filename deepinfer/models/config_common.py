@@ -1,7 +1,7 @@
 """What DeepSeek-V4 and V4.1 configs share: the common fields, the config.json reading,
 and the parsing / validation steps both families run (flat legacy keys vs transformers'
-keys, rope_scaling / YaRN, quantization_config). Each family's config (config.py,
-config_v41.py) is its own dataclass on top of `DeepseekConfigBase` and calls these helpers
+keys, rope_scaling / YaRN, quantization_config). Each family's config (v4/config.py,
+v41/config.py) is its own dataclass on top of `DeepseekConfigBase` and calls these helpers
 for the parts they share; only the layer schedule is parsed by the family itself.
 
 YaRN (both families): it applies to the compressed branches only and changes only the

@@ -24,11 +24,11 @@ from deepinfer.errors import DeepInferError
 
 from .checkpoint_files import CheckpointError, open_shard, regular_file, shard_files, shard_headers
 from .checkpoint_layout import official_name
-from .config import DeepseekV4Config
-from .deepseek_v4 import DeepseekV4Model
 from .linear import Linear, QuantizedWeight
 from .quant import infer_block_size
 from .registry import build_model, read_model_config
+from .v4.config import DeepseekV4Config
+from .v4.model import DeepseekV4Model
 
 __all__ = ["CheckpointError", "resolve_model_dir", "shard_files", "iter_tensors", "read_checkpoint", "load_weights",
            "load_model", "check_config_against_files", "check_finite", "weight_bytes", "materialize_dense_weights"]

@@ -4,8 +4,8 @@ factories). Engine code asks the family of a config (`family_of`) instead of che
 which family it is; everything that differs between DeepSeek-V4 and V4.1 is an attribute
 or a function of the family.
 
-A family registers itself (`register_family`) in its own module: v4_family.py
-(``deepseek_v4``) and v41_family.py (``deepseek_v41``, alias ``deepseek_v41_text``). This
+A family registers itself (`register_family`) in its own module: v4/family.py
+(``deepseek_v4``) and v41/family.py (``deepseek_v41``, alias ``deepseek_v41_text``). This
 module imports no family: it names the built-in ones by module path and imports one the
 first time its model_type is looked up (vLLM's lazy registry), so the families may import
 anything in the engine without an import cycle through here.
@@ -27,9 +27,9 @@ __all__ = ["ModelFamily", "register_family", "family_for_model_type", "family_of
 
 #: model_type -> the module that registers its family (imported on first lookup).
 BUILTIN_FAMILY_MODULES = {
-    "deepseek_v4": "deepinfer.models.v4_family",
-    "deepseek_v41": "deepinfer.models.v41_family",
-    "deepseek_v41_text": "deepinfer.models.v41_family",
+    "deepseek_v4": "deepinfer.models.v4.family",
+    "deepseek_v41": "deepinfer.models.v41.family",
+    "deepseek_v41_text": "deepinfer.models.v41.family",
 }
 #: model_type a config.json without one is read as (the official V4 flat configs).
 DEFAULT_MODEL_TYPE = "deepseek_v4"

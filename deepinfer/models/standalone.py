@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .deepseek_v4 import DeepseekV4Model
-from .kv_cache import ForwardBatch, SeqMeta
+from .paged_batch import ForwardBatch, SeqMeta
 from .registry import family_of
+from .v4.model import DeepseekV4Model
 
 
 class StandaloneRunner:

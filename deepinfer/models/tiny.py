@@ -24,11 +24,11 @@ from safetensors.torch import save_file
 from deepinfer import envs
 
 from .checkpoint_layout import storage_format
-from .config import DeepseekV4Config
-from .config_v41 import DeepseekV41Config
-from .deepseek_v4 import DeepseekV4Model
 from .quant import quantize_fp4, quantize_fp8_block
 from .registry import build_model, family_of
+from .v4.config import DeepseekV4Config
+from .v4.model import DeepseekV4Model
+from .v41.config import DeepseekV41Config
 
 TINY_NAME = "deepinfer-tiny-random"  # the trained default is `deepinfer-tiny` (models/default_model.py)
 
@@ -89,7 +89,7 @@ def tiny_v41_config(**overrides: object) -> DeepseekV41Config:
     """deepinfer-tiny-v41: the V4.1 schedule in miniature (8 layers: [0,0] + [2]*2 + [1]*4,
     KV sources [2, 4], index sources [2, 4, 6], candidate pre-filter at 4, Engram at 1 and 2,
     3 DSpark stages), small widths, the real vocabulary unless overridden."""
-    from .engram import engram_table_rows
+    from .v41.engram import engram_table_rows
 
     base = dict(
         vocab_size=129280, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, head_dim=64,

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-from deepinfer.models.config import DeepseekV4Config
-from deepinfer.models.deepseek_v4 import DeepseekV4Model
 from deepinfer.models.tiny import flash4_config, init_random, mini_config, save_checkpoint, tiny_config
+from deepinfer.models.v4.config import DeepseekV4Config
+from deepinfer.models.v4.model import DeepseekV4Model
 
 __all__ = ["EP_SIZES", "mini_like_config", "force_hot_experts", "write_skewed_checkpoint"]
 

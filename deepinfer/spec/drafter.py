@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from deepinfer.engine.outputs import ScheduledRequest
 from deepinfer.engine import rng
-from deepinfer.models.kv_cache import ForwardBatch
+from deepinfer.engine.outputs import ScheduledRequest
+from deepinfer.models.paged_batch import ForwardBatch
 
 
 @dataclass

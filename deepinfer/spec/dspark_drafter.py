@@ -22,7 +22,7 @@ Per step (`propose`), after the target forward:
    x_k = d_k), drawn with the request's sampling settings from the DRAFT stream at the
    position the draft will occupy (p + 2 + k); c_{k+1} = sigmoid(w . [h_k ; W1[x_k]]).
 
-DeepSeek-V4.1 (`models/v41_dspark.py`): the same orchestration; the stages carry the
+DeepSeek-V4.1 (`models/v41/dspark.py`): the same orchestration; the stages carry the
 shifted hyper-connections' ``pre`` from one to the next (starting one-hot on stream 0).
 With SWA bounded replay, feature rows below a request's cut are not written (a compact
 replay never computes their target-layer inputs, and no draft window reaches them:
@@ -39,13 +39,15 @@ import numpy as np
 
 from deepinfer import batch_invariant
 from deepinfer.engine import rng
-from deepinfer.models.dspark import NO_POSITION
-from deepinfer.models.fast.draft_dspark import N_COLS, block_rows, sample_block, stages_hidden_v4, stages_hidden_v41
+from deepinfer.models.fast.draft_dspark import N_COLS, block_rows, sample_block, stages_hidden_v4
 from deepinfer.models.fast.draft_dspark import device_rotary, unpack_block
 from deepinfer.models.fast.draft_graphs import DraftGraphs, FeatureGraphs
 from deepinfer.models.fast.forward import blocks_supported
-from deepinfer.models.kv_cache import GROUP_SWA, KVCache, paged_slots
+from deepinfer.models.paged_batch import paged_slots
 from deepinfer.models.registry import family_of
+from deepinfer.models.v4.dspark import NO_POSITION
+from deepinfer.models.v4.kv_cache import GROUP_SWA, KVCache
+from deepinfer.models.v41.fast.draft import stages_hidden_v41
 
 from .drafter import Draft, DraftContext, Drafter
 from .verify import sample_draft

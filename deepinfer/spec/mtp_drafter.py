@@ -18,7 +18,8 @@ import torch
 from deepinfer import batch_invariant
 from deepinfer.engine.sampler import Sampler, SamplingTensors
 from deepinfer.models.fast.forward import blocks_supported, head_hidden, run_block
-from deepinfer.models.kv_cache import GROUP_SWA, ForwardBatch, KVCache, SeqMeta
+from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
+from deepinfer.models.v4.kv_cache import GROUP_SWA, KVCache
 
 from .drafter import Draft, DraftContext, Drafter
 from .verify import sample_draft

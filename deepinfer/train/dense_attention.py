@@ -1,7 +1,7 @@
 """Dense, differentiable DeepSeek-V4 attention over whole sequences, for training.
 
 Same parameters and the same math as the engine's paged reference path
-(`deepinfer.models.attention.Attention`, `compressor.Compressor`, `Indexer.select`), but
+(`deepinfer.models.v4.attention.Attention`, `compressor.Compressor`, `Indexer.select`), but
 over a padded batch of sequences [B, L] that all start at position 0, with no cache:
 
 * the sliding window is computed in bands: queries in blocks of `window` rows attend to

@@ -18,10 +18,10 @@ from dataclasses import replace
 import torch
 from safetensors.torch import save_file
 
-from deepinfer.models.config import DeepseekV4Config
-from deepinfer.models.deepseek_v4 import DeepseekV4Model
 from deepinfer.models.default_model import DSPARK_FILE, DSPARK_SUBDIR
 from deepinfer.models.tiny import official_state_dict, save_checkpoint
+from deepinfer.models.v4.config import DeepseekV4Config
+from deepinfer.models.v4.model import DeepseekV4Model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

@@ -15,8 +15,8 @@ from dataclasses import replace
 
 import torch
 
-from deepinfer.models.config import DeepseekV4Config
 from deepinfer.models.tiny import tiny_config
+from deepinfer.models.v4.config import DeepseekV4Config
 
 TRAINED_NAME = "deepinfer-tiny"
 

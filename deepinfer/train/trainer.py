@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from deepinfer.models.config import DeepseekV4Config
-from deepinfer.models.deepseek_v4 import DeepseekV4Model
-from deepinfer.models.dspark import DSparkStage
+from deepinfer.models.v4.config import DeepseekV4Config
+from deepinfer.models.v4.dspark import DSparkStage
+from deepinfer.models.v4.model import DeepseekV4Model
 
 from .dense_dspark import draft_forward, make_blocks, target_features
 from .dense_model import head_logits, model_forward, mtp_forward

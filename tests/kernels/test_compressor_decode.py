@@ -12,8 +12,8 @@ import torch  # noqa: E402
 
 from kernel_testutil import DEVICE, assert_close, gen  # noqa: E402
 
-from deepinfer_kernels.compressor_decode import compressor_decode, compressor_decode_ref  # noqa: E402
 from deepinfer.models.rope import yarn_inv_freq  # noqa: E402
+from deepinfer_kernels.compressor_decode import compressor_decode, compressor_decode_ref  # noqa: E402
 
 BS = 16
 
@@ -74,8 +74,8 @@ def test_grouped_rows_match_compressor_forward(fresh_seed: int, overlap: bool, r
     """Several consecutive tokens of one request (a token and its drafts) in one launch, the
     rows processed in order: the same ring, entries and tail as the model's Compressor.forward
     over that chunk, with windows closing and a block ending inside it (float32)."""
-    from deepinfer.models.compressor import Compressor, CompressorStore
-    from deepinfer.models.kv_cache import SeqMeta
+    from deepinfer.models.v4.compressor import Compressor, CompressorStore
+    from deepinfer.models.paged_batch import SeqMeta
     from deepinfer.models.rope import Rotary
 
     g = gen(fresh_seed)

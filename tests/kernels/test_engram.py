@@ -14,8 +14,8 @@ import torch  # noqa: E402
 
 from kernel_testutil import DEVICE, assert_close, gen  # noqa: E402
 
-from deepinfer.models.engram import Engram, NgramHasher  # noqa: E402
 from deepinfer.models.tiny import tiny_v41_config  # noqa: E402
+from deepinfer.models.v41.engram import Engram, NgramHasher  # noqa: E402
 from deepinfer_kernels.engram import engram_gate, engram_gate_ref, engram_hash, engram_hash_ref  # noqa: E402
 
 

@@ -7,4 +7,7 @@ and none is newly admitted), attaches a :class:`decode.DecodeMeta` to the batch
 (``ForwardBatch.decode``) and runs :func:`forward.decode_logits`: the whole model with
 fused mHC, batched attention/compressors/indexer (:mod:`decode`) and fused MoE
 (:mod:`moe`). The reference modules own the parameters; this package only reads them.
+The batched decode executor (:class:`runner.FastPath`) serves V4.1 too, with V4.1's decode
+program; V4.1's own pieces (its decode layers, prefill / mixed executor and DSpark draft
+pass) are in ``deepinfer.models.v41.fast``.
 """

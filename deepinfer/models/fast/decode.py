@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from ..kv_cache import GROUP_CSA, GROUP_HCA, GROUP_SWA
 from ..rope import Rotary
+from ..v4.kv_cache import GROUP_CSA, GROUP_HCA, GROUP_SWA
 from .fused_weights import attention_inputs
 from .invariant import compress_decode, is_invariant
 

@@ -7,10 +7,8 @@ Same math as ``DSparkDrafter.draft_logits`` + ``DSparkDrafter.draft``
 * V4 stages (:func:`stages_hidden_v4`): each stage one :func:`run_block` (fused mHC, the
   fused MoE) with the stage's dense block attention as its attention sublayer, the last
   stage's ``hc_head`` + output norm fused with its last ``hc_post``;
-* V4.1 stages (:func:`stages_hidden_v41`): the shifted hyper-connection sites of
-  ``decode_layers_v41`` (``hc_shifted``: the previous expansion, this site's mixes, the
-  collapse and the input norm), the fused MoE with float32 router logits, the output
-  collapse + norm in one launch (``hc_collapse_norm``);
+* V4.1 stages: `deepinfer/models/v41/fast/draft.py` (``stages_hidden_v41``, shifted
+  hyper-connections);
 * :func:`sample_block`: for j < n, ``d_{j+1} ~ logits_j + W2 W1[x_j]`` with the request's
   settings and the DRAFT stream at position ``p + 2 + j``, ``c_{j+1} = sigmoid(w . [h_j ;
   W1[x_j]] / T_j)``; every draw stays on the device (``sample`` is the spec runner's
@@ -30,12 +28,10 @@ import torch
 
 from deepinfer.engine.sampler import SamplingTensors
 
-from ..dspark import NO_POSITION
 from ..rope import Rotary
+from ..v4.dspark import NO_POSITION
 from .decode import _inv_freq
 from .forward import head_hidden, run_block
-from .moe import moe_forward
-from .v41_forward import _first_pre, _route_logits, _site
 
 #: Per-request columns of a draft step's input tensor, before the context slots.
 INPUT_COLUMNS = ("last_token", "last_pos", "seed", "greedy", "temperature_bits")
@@ -80,28 +76,6 @@ def stages_hidden_v4(model: Any, stages: list, ops: Any, ids: torch.Tensor, pos:
 
         streams, prev = run_block(stage, streams, prev, ids, ops, attention)
     return head_hidden(stages[-1], ops, streams, prev)
-
-
-def stages_hidden_v41(model: Any, stages: list, ops: Any, ids: torch.Tensor, pos: torch.Tensor, gamma: int,
-                      ctx_kvs: list[torch.Tensor], ctx_pos: torch.Tensor, rotary: Rotary | None = None
-                      ) -> torch.Tensor:
-    """V4.1 stages (shifted hyper-connections) over R blocks -> the normed hidden [R * gamma, D]."""
-    cfg, rotary = stages[0].cfg, rotary or model.rotary_main
-    iters, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-    streams = model.embed(ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1)
-    pre, prev = _first_pre(streams), None
-    for stage, ctx_kv in zip(stages, ctx_kvs):
-        new, a_pre, a_post, a_comb, x = ops.hc_shifted(streams, *_site(stage, "attn"), iters, hc_eps, eps, pre,
-                                                       (stage.attn_norm.weight, stage.attn_norm.eps), prev)
-        streams = streams if new is None else new
-        out = stage._block_attention(x, pos, gamma, ctx_kv, ctx_pos, rotary)
-        streams, pre, f_post, f_comb, x = ops.hc_shifted(streams, *_site(stage, "ffn"), iters, hc_eps, eps, a_pre,
-                                                         (stage.ffn_norm.weight, stage.ffn_norm.eps),
-                                                         (out, a_post, a_comb))
-        ffn = stage.ffn
-        prev = (moe_forward(ffn, x, ids, ops, logits=_route_logits(ffn.gate, x, ops)), f_post, f_comb)
-    last = stages[-1]
-    return ops.hc_collapse_norm(streams, pre, (last.norm.weight, last.norm.eps), prev)
 
 
 def block_sampling(inp: torch.Tensor, j: int, greedy_only: bool) -> SamplingTensors:

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ..kv_cache import ForwardBatch, KVCache
+from ..paged_batch import ForwardBatch
+from ..v4.kv_cache import KVCache
 from .decode import attention_decode
 from .invariant import is_invariant
 from .moe import moe_forward

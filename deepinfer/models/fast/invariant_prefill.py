@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..kv_cache import GROUP_CSA, GROUP_SWA, KVCache
 from ..rope import Rotary
+from ..v4.kv_cache import GROUP_CSA, GROUP_SWA, KVCache
 from .decode import _inv_freq, grouped_out
 from .forward import head_hidden, head_logits, run_layers
 from .fused_weights import attention_inputs

@@ -26,9 +26,10 @@ import torch
 
 from deepinfer import envs
 
-from ..kv_cache import ForwardBatch, KVCache
 from ..mhc import hc_post
 from ..moe import MoE
+from ..paged_batch import ForwardBatch
+from ..v4.kv_cache import KVCache
 from .decode import kernel_ops
 from .forward import run_layers
 from .moe import supported as moe_supported
@@ -62,7 +63,7 @@ class PrefillPath:
 
     @classmethod
     def create(cls, model: Any, cache: KVCache) -> PrefillPath | None:
-        from ..deepseek_v4 import DeepseekV4Model
+        from ..v4.model import DeepseekV4Model
 
         mode = envs.DEEPINFER_FAST_PREFILL
         if mode == "0" or type(model) is not DeepseekV4Model:  # V4.1 prefill: the reference path for now

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import GROUP_CSA, GROUP_SWA, KVCache
 from ..rope import Rotary
+from ..v4.kv_cache import GROUP_CSA, GROUP_SWA, KVCache
 from .decode import _inv_freq
 from .fused_weights import attention_inputs
 from .prefill_compressor import compress_prefill

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kv_cache import SeqMeta
+from ..paged_batch import SeqMeta
 from ..rope import Rotary, apply_rope
 
 

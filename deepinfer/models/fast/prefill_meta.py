@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..kv_cache import SeqMeta
+from ..paged_batch import SeqMeta
 from .prefill_compressor import CompressorPlan, build_plan
 
 

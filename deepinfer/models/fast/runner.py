@@ -43,7 +43,7 @@ import torch
 
 from deepinfer.engine.transfer import copy_to_device
 
-from ..kv_cache import ForwardBatch
+from ..paged_batch import ForwardBatch
 from .decode import DecodeMeta, kernel_ops
 from .decode_graphs import BUCKETS, DecodeGraphs, GraphMemory, graph_shapes, reserved_bytes, rows_bucket
 from .decode_graphs import tensors_of, width_class

@@ -27,7 +27,7 @@ import torch
 
 from deepinfer.engine.transfer import copy_to_device
 
-from ..kv_cache import ForwardBatch
+from ..paged_batch import ForwardBatch
 from .decode_graphs import BUCKETS, graph_shapes, next_pow2, reserved_bytes
 from .runner import StepInputs
 

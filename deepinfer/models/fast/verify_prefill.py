@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ..kv_cache import ForwardBatch
 from ..mhc import hc_post
+from ..paged_batch import ForwardBatch
 from .forward import head_hidden, head_logits, run_layers
 from .invariant_prefill import attention_prefill_invariant
 from .prefill_attention import attention_prefill

@@ -1,6 +1,6 @@
 """The DeepSeek-V4.1 model (reference path), parameter names = official checkpoint names.
 
-What differs from V4 (deepseek_v4.py), each with its source in docs/v41_assumptions.md:
+What differs from V4 (v4/model.py), each with its source in docs/v41_assumptions.md:
   * shared KV: only KV-source layers own a compressor (`attn.compressor`: ratio 2 =
     two tokens pooled by a per-channel softmax over `wgate(x)`, ratio 1 = `norm(wkv(x))`
     per token, no `ape`, no overlap); every later layer with a compressed branch reads
@@ -31,17 +31,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .bounded_replay import batch_cuts, kept_rows
-from .config_v41 import DeepseekV41Config
+from ..bounded_replay import batch_cuts, kept_rows
+from ..linear import Linear
+from ..norm import RMSNorm
+from ..paged_batch import ForwardBatch, SeqMeta, gather_rows, scatter_rows
+from ..rope import Rotary
+from .block import Block41
+from .config import DeepseekV41Config
+from .dspark import DSparkStage41
 from .engram import NgramHasher, compressed_token_map, find_tokenizer_file
-from .kv_cache import ForwardBatch, SeqMeta, gather_rows, scatter_rows
-from .kv_cache_v41 import GROUP_SWA, KVCacheV41
-from .linear import Linear
-from .norm import RMSNorm
-from .rope import Rotary
-from .v41_block import Block41
-from .v41_dspark import DSparkStage41
-from .v41_layers import V41Context, hc_collapse
+from .kv_cache import GROUP_SWA, KVCacheV41
+from .layers import V41Context, hc_collapse
 
 
 # ---- the model ------------------------------------------------------------------------

@@ -20,12 +20,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..linear import Linear
+from ..mhc import hc_head, hc_post, hc_pre
+from ..norm import RMSNorm, unweighted_rms_norm
+from ..rope import Rotary, apply_rope
 from .block import Block
 from .config import DeepseekV4Config
-from .linear import Linear
-from .mhc import hc_head, hc_post, hc_pre
-from .norm import RMSNorm, unweighted_rms_norm
-from .rope import Rotary, apply_rope
 
 
 class MarkovHead(nn.Module):

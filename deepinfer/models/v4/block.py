@@ -1,6 +1,6 @@
 """One DeepSeek-V4 transformer layer: attention and MoE sublayers, each wrapped in mHC.
 
-Its own module so that the model (`deepseek_v4.DeepseekV4Model`) and the DSpark drafter
+Its own module so that the model (`model.DeepseekV4Model`) and the DSpark drafter
 stages (`dspark.DSparkStage`, a subclass) both build on it without importing each other.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..mhc import hc_params, hc_post, hc_pre
+from ..moe import MoE
+from ..norm import RMSNorm
 from .attention import Attention, ForwardContext
 from .config import DeepseekV4Config
-from .mhc import hc_params, hc_post, hc_pre
-from .moe import MoE
-from .norm import RMSNorm
 
 
 class Block(nn.Module):

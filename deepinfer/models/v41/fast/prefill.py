@@ -1,6 +1,6 @@
 """DeepSeek-V4.1 prefill / mixed steps (prompt chunks and decode rows in one step) on the
 compiled executor: ``DeepseekV41Model.forward`` over the flattened batch, every layer
-batched over every request (v41_prefill_attention.py), with the decode path's kernels
+batched over every request (prefill_attention.py), with the decode path's kernels
 for what is per row (shifted mHC ``hc_shifted``, Engram hashing and gate, float32
 router logits, fused MoE, ``hc_collapse_norm``) and V4's ``prefill_attention`` kernel.
 
@@ -35,18 +35,18 @@ import torch
 
 from deepinfer import envs
 
-from ..bounded_replay import batch_cuts
-from ..kv_cache import ForwardBatch, SeqMeta
-from ..kv_cache_v41 import GROUP_SWA
-from ..moe import MoE
-from ..v41_layers import hc_expand
-from .forward import head_logits
-from .moe import moe_forward
-from .moe import supported as moe_supported
-from .prefill import prefill_ops
-from .prefill_meta import PrefillMeta, build_prefill_meta
-from .v41_forward import _first_pre, _route_logits, _site
-from .v41_prefill_attention import V41PrefillStep, attend_prefill, attention_prefill_v41, publish_prefill
+from ...bounded_replay import batch_cuts
+from ...fast.forward import head_logits
+from ...fast.moe import moe_forward
+from ...fast.moe import supported as moe_supported
+from ...fast.prefill import prefill_ops
+from ...fast.prefill_meta import PrefillMeta, build_prefill_meta
+from ...moe import MoE
+from ...paged_batch import ForwardBatch, SeqMeta
+from ..kv_cache import GROUP_SWA
+from ..layers import hc_expand
+from .forward import _first_pre, _route_logits, _site
+from .prefill_attention import V41PrefillStep, attend_prefill, attention_prefill_v41, publish_prefill
 
 
 class PrefillPathV41:
@@ -151,7 +151,7 @@ class PrefillPathV41:
 
     @torch.no_grad()
     def spec_forward(self, batch: ForwardBatch, layers: tuple[int, ...], invariant: bool) -> tuple | None:
-        """A speculative step's prompt / mixed chunk (fast/verify_prefill.py's ``SpecForward``):
+        """A speculative step's prompt / mixed chunk (models/fast/verify_prefill.py's ``SpecForward``):
         (the collapsed final hidden [T, hidden] of every row, what V4.1's forward returns and
         its drafter reads; the inputs of ``layers`` [T, N, D] as ``DeepseekV41Model.forward``
         captures them; rows -> float32 logits, in batch-invariant mode from the decode

@@ -1,5 +1,5 @@
 """DeepSeek-V4.1 building blocks: shifted hyper-connection mixes, the router and MoE,
-the shared-KV compressor and the source/consumer indexer (see deepseek_v41.py)."""
+the shared-KV compressor and the source/consumer indexer (see v41/model.py)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from torch import nn
 QUERY_BLOCK = 256  # queries scored / attended at a time (bounds the [q, keys] buffers)
 
 from deepinfer import batch_invariant as bi
-from . import invariant_ops
-from .config_v41 import DeepseekV41Config
-from .kv_cache import ForwardBatch, SeqMeta
-from .kv_cache_v41 import KVCacheV41
-from .kv_quant import fp4_block_sim
-from .linear import Linear
-from .moe import MoE, score
-from .norm import RMSNorm, unweighted_rms_norm
-from .rope import Rotary, apply_rope
+from .. import invariant_ops
+from ..kv_quant import fp4_block_sim
+from ..linear import Linear
+from ..moe import MoE, score
+from ..norm import RMSNorm, unweighted_rms_norm
+from ..paged_batch import ForwardBatch, SeqMeta
+from ..rope import Rotary, apply_rope
+from .config import DeepseekV41Config
+from .kv_cache import KVCacheV41
 
 
 @dataclass

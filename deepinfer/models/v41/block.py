@@ -2,7 +2,7 @@
 attention and MoE sublayers joined by the shifted hyper-connections.
 
 Its own module so that the model (`deepseek_v41.DeepseekV41Model`) and the DSpark
-drafter stages (`v41_dspark.DSparkStage41`, a subclass) both build on it without
+drafter stages (`dspark.DSparkStage41`, a subclass) both build on it without
 importing each other.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config_v41 import DeepseekV41Config
+from ..mhc import hc_params
+from ..norm import RMSNorm
+from .attention import Attention41
+from .config import DeepseekV41Config
 from .engram import Engram
-from .norm import RMSNorm
-from .v41_attention import Attention41
-from .mhc import hc_params
-from .v41_layers import V41Context, MoE41, hc_collapse, hc_expand, hc_mixes
+from .layers import V41Context, MoE41, hc_collapse, hc_expand, hc_mixes
 
 
 class Block41(nn.Module):

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import invariant_ops
-from .linear import Linear
+from .. import invariant_ops
+from ..linear import Linear
 
 _MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
 

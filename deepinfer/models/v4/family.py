@@ -1,16 +1,17 @@
 """The DeepSeek-V4 family (`model_type: deepseek_v4`): what the registry hands the engine
-for a V4 checkpoint. Config: config.py; model: deepseek_v4.py (+ dspark.py for the
+for a V4 checkpoint. Config: config.py; model: model.py (+ dspark.py for the
 DSpark stages); KV cache: kv_cache.py (swa / csa / hca groups); compiled executors: the
 GPU fast path in models/fast/ (decode steps: FastPath, prefill / mixed: PrefillPath)."""
 
 from __future__ import annotations
 
-from .compiled import decode_executor, prefill_executor, v4_decode_program
+from ..compiled import decode_executor, prefill_executor, v4_decode_program
+from ..paged_batch import check_block_size
+from ..registry import ModelFamily, register_family
 from .config import DeepseekV4Config
-from .deepseek_v4 import DeepseekV4Model
 from .dspark import draft_pass
-from .kv_cache import WINDOW_GROUPS_V4, KVCache, block_bytes_v4, check_block_size, group_names_v4, slot_bytes_v4
-from .registry import ModelFamily, register_family
+from .kv_cache import WINDOW_GROUPS_V4, KVCache, block_bytes_v4, group_names_v4, slot_bytes_v4
+from .model import DeepseekV4Model
 
 FAMILY = register_family(ModelFamily(
     name="deepseek_v4",

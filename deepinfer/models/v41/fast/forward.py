@@ -4,7 +4,7 @@ layers -> final collapse, norm and head; same math as ``DeepseekV41Model.forward
 
 Per layer: (Engram) -> shifted mHC site (the previous sublayer's expansion, this site's
 mixes, the input collapsed with the previous site's ``pre`` and normed: one fused launch
-pair, ``deepinfer_kernels.mhc.hc_shifted``) -> attention (``v41_decode``) -> the ffn
+pair, ``deepinfer_kernels.mhc.hc_shifted``) -> attention (``decode``) -> the ffn
 site -> fused MoE (router logits in float32: ``deepinfer_kernels.linear_f32``). An Engram
 layer adds its memory to the expanded streams, so the previous expansion runs inside its
 gate's launch (``deepinfer_kernels.engram``). The head: the last expansion, the collapse
@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
-from ..kv_cache import ForwardBatch, KVCache
-from ..v41_layers import hc_expand
-from .forward import head_logits
-from .moe import moe_forward
-from .v41_decode import V41DecodeStep, _float_weight, attention_decode_v41, engram_hash_rows, linear_f32
+from ...fast.forward import head_logits
+from ...fast.moe import moe_forward
+from ...paged_batch import ForwardBatch
+from ...v4.kv_cache import KVCache
+from ..layers import hc_expand
+from .decode import V41DecodeStep, _float_weight, attention_decode_v41, engram_hash_rows, linear_f32
 
 
 def _site(block: torch.nn.Module, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,5 +1,5 @@
 """DeepSeek-V4.1 attention (reference path): own window KV, shared compressed KV read from
-the nearest KV source, indexer selection, bounded-replay narrowing (see deepseek_v41.py)."""
+the nearest KV source, indexer selection, bounded-replay narrowing (see v41/model.py)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import torch
 from torch import nn
 
 from deepinfer import batch_invariant as bi
-from . import invariant_ops
-from .config_v41 import DeepseekV41Config
-from .kv_cache import SeqMeta, gather_rows, scatter_rows
-from .kv_cache_v41 import GROUP_SRC
-from .kv_quant import fp4_block_sim, fp8_block_sim
-from .linear import GroupedLinear, Linear
-from .norm import RMSNorm
-from .rope import apply_rope
-from .v41_layers import QUERY_BLOCK, Compressor41, Indexer41, V41Context
+from .. import invariant_ops
+from ..kv_quant import fp4_block_sim, fp8_block_sim
+from ..linear import GroupedLinear, Linear
+from ..norm import RMSNorm
+from ..paged_batch import SeqMeta, gather_rows, scatter_rows
+from ..rope import apply_rope
+from .config import DeepseekV41Config
+from .kv_cache import GROUP_SRC
+from .layers import QUERY_BLOCK, Compressor41, Indexer41, V41Context
 
 
 

@@ -11,15 +11,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..linear import Linear
+from ..mhc import hc_head
+from ..norm import RMSNorm
+from ..paged_batch import ForwardBatch
+from ..rope import Rotary
 from .attention import ForwardContext
 from .block import Block
 from .config import DeepseekV4Config
 from .dspark import DSparkStage
-from .kv_cache import ForwardBatch, KVCache
-from .linear import Linear
-from .mhc import hc_head
-from .norm import RMSNorm
-from .rope import Rotary
+from .kv_cache import KVCache
 
 
 class MTPStage(Block):

@@ -25,10 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .config_common import (DeepseekConfigBase, ModelConfigError, check_positive_ints, common_official_json,
-                            copy_plain_fields, dspark_official_json, fail, parse_quantization, parse_rope,
-                            validate_common)
-from .config_common import int_list, int_value
+from ..config_common import (DeepseekConfigBase, ModelConfigError, check_positive_ints, common_official_json,
+                             copy_plain_fields, dspark_official_json, fail, parse_quantization, parse_rope,
+                             validate_common)
+from ..config_common import int_list, int_value
 
 __all__ = ["DeepseekV41Config", "ModelConfigError", "V41_MODEL_TYPES"]
 

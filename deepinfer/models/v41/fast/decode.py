@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from .. import invariant_ops
-from ..kv_cache_v41 import GROUP_SRC
-from .decode import DecodeMeta, _inv_freq, grouped_out
-from .fused_weights import project
-from .invariant import is_invariant
+from ... import invariant_ops
+from ...fast.decode import DecodeMeta, _inv_freq, grouped_out
+from ...fast.fused_weights import project
+from ...fast.invariant import is_invariant
+from ..kv_cache import GROUP_SRC
 
 
 @dataclass

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import torch
 
-from .config_v41 import DeepseekV41Config
-from .dspark import ConfidenceHead, MarkovHead, block_attention
-from .kv_quant import fp8_block_sim
-from .linear import Linear
-from .norm import RMSNorm
-from .rope import Rotary, apply_rope
-from .v41_block import Block41
-from .v41_layers import hc_collapse, hc_expand
+from ..kv_quant import fp8_block_sim
+from ..linear import Linear
+from ..norm import RMSNorm
+from ..rope import Rotary, apply_rope
+from ..v4.dspark import ConfidenceHead, MarkovHead, block_attention
+from .block import Block41
+from .config import DeepseekV41Config
+from .layers import hc_collapse, hc_expand
 
 
 class DSparkStage41(Block41):

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from .config_v41 import DeepseekV41Config
-from .kv_cache import check_block_size
+from ..paged_batch import check_block_size
+from .config import DeepseekV41Config
 
 GROUP_SWA, GROUP_DEC, GROUP_SRC = "swa", "dec", "src"
 WINDOW_GROUPS = (GROUP_SWA, GROUP_DEC)

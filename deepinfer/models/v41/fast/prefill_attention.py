@@ -26,17 +26,17 @@ from typing import Any
 
 import torch
 
-from ..kv_cache_v41 import GROUP_SRC
-from .decode import _inv_freq, grouped_out
-from .fused_weights import project
-from .invariant import is_invariant
-from .prefill_meta import PrefillMeta
-from .v41_decode import _linear_f32
+from ...fast.decode import _inv_freq, grouped_out
+from ...fast.fused_weights import project
+from ...fast.invariant import is_invariant
+from ...fast.prefill_meta import PrefillMeta
+from ..kv_cache import GROUP_SRC
+from .decode import _linear_f32
 
 #: Query rows whose indexer scores are materialised at once ([rows, entries] float32 and
 #: the sort's copies): 4096 rows x 8192 entries = 128 MiB per buffer.
 INDEX_ROWS = 4096
-#: Heads x rows of one attention program (as V4's prefill: fast/prefill_attention.py).
+#: Heads x rows of one attention program (as V4's prefill: models/fast/prefill_attention.py).
 ATTN_HEADS, ATTN_ROWS = 64, 32
 
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .config_common import (DeepseekConfigBase, ModelConfigError, common_official_json, copy_plain_fields,
-                            dspark_official_json, fail, parse_quantization, parse_rope, read_config_json,
-                            validate_common)
-from .config_common import int_list, int_value, str_list
+from ..config_common import (DeepseekConfigBase, ModelConfigError, common_official_json, copy_plain_fields,
+                             dspark_official_json, fail, parse_quantization, parse_rope, read_config_json,
+                             validate_common)
+from ..config_common import int_list, int_value, str_list
 
 __all__ = ["DeepseekV4Config", "ModelConfigError", "SUPPORTED_MODEL_TYPES", "LAYER_TYPE_TO_RATIO"]
 

@@ -1,4 +1,4 @@
-"""Device-side KV state of DeepSeek-V4 and the per-step batch metadata.
+"""Device-side KV state of DeepSeek-V4 (the step batch it is read through: paged_batch.py).
 
 Three paged groups share one token block size B (block i of a request covers tokens
 [i*B, (i+1)*B)), each with its own physical block ids:
@@ -12,42 +12,12 @@ partial-window inputs (a ring of the last 2*ratio or ratio tokens' projections).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import numpy as np
 import torch
 
+from ..paged_batch import check_block_size
 from .config import DeepseekV4Config
 
 GROUP_SWA, GROUP_CSA, GROUP_HCA = "swa", "csa", "hca"
-
-
-@dataclass
-class SeqMeta:
-    """One request's slice of a flattened step."""
-
-    start: int  # tokens already in the cache before this step
-    length: int  # tokens fed this step
-    offset: int  # first row in the flattened batch
-    block_table: dict[str, list[int]]
-    slot: int
-    is_new: bool = False  # first chunk since admission: reset/restore the state slot
-    prompt_len: int = 0  # the request's prompt length (V4.1 bounded replay; 0 = unknown)
-
-
-@dataclass
-class ForwardBatch:
-    """Flattened tokens of several requests plus their metadata."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    seqs: list[SeqMeta] = field(default_factory=list)
-    replay: object | None = None  # V4.1 SWA bounded replay (bounded_replay.ReplayConfig)
-    decode: object | None = None  # GPU fast path: pure-decode step tensors (models.fast.decode.DecodeMeta)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
 
 
 #: V4's groups whose blocks hold sliding-window rows (freed as they fall out of the window).
@@ -63,13 +33,6 @@ def group_names_v4(cfg: DeepseekV4Config) -> list[str]:
     if cfg.hca_layers:
         names.append(GROUP_HCA)
     return names
-
-
-def check_block_size(cfg, block_size: int) -> None:
-    """Every family: a block holds whole compressed entries of every compressed layer."""
-    for ratio in {r for r in cfg.compress_ratios if r}:
-        if block_size % ratio:
-            raise ValueError(f"block_size={block_size} must be a multiple of every compress ratio (got ratio {ratio})")
 
 
 def block_bytes_v4(cfg: DeepseekV4Config, block_size: int, dtype: torch.dtype) -> dict[str, int]:
@@ -141,29 +104,3 @@ class KVCache:
                    *self.csa_index_tail.values(), *self.ring.values(), *self.index_ring.values(),
                    *self.hca_kv.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def paged_slots(table: list[int], start: int, n: int, per_block: int, valid: np.ndarray | None = None) -> np.ndarray:
-    """Flat pool rows (block * per_block + offset) of positions [start, start + n) of one
-    request. Positions marked invalid (``valid`` False, e.g. before 0) map to row 0 for the
-    caller to mask. A valid position in a freed block (table entry < 0) is a bookkeeping
-    bug: it raises."""
-    pos = start + np.arange(n)
-    ok = np.ones(n, dtype=bool) if valid is None else valid
-    safe = np.where(ok, pos, 0)
-    blocks = np.asarray(table, dtype=np.int64)[safe // per_block]
-    if (blocks[ok] < 0).any():
-        raise RuntimeError(f"read or write of a freed block: rows [{start}, {start + n}) of table {table}")
-    return np.where(ok, blocks * per_block + safe % per_block, 0)
-
-
-def gather_rows(pool: torch.Tensor, table: list[int], start: int, end: int) -> torch.Tensor:
-    """Rows [start, end) of one request's paged sequence: pool is [blocks, per_block, ...]."""
-    slots = torch.from_numpy(paged_slots(table, start, end - start, pool.shape[1]))
-    return pool.view(-1, *pool.shape[2:])[slots]
-
-
-def scatter_rows(pool: torch.Tensor, table: list[int], start: int, rows: torch.Tensor) -> None:
-    """Write rows at sequence positions [start, start + len(rows)) of one request."""
-    slots = torch.from_numpy(paged_slots(table, start, rows.shape[0], pool.shape[1]))
-    pool.view(-1, *pool.shape[2:])[slots] = rows.to(pool.dtype)

@@ -16,13 +16,14 @@ from torch import nn
 
 from deepinfer import batch_invariant
 
-from . import invariant_attention
+from .. import invariant_attention
+from ..linear import GroupedLinear, Linear
+from ..norm import RMSNorm, unweighted_rms_norm
+from ..paged_batch import ForwardBatch, SeqMeta, gather_rows, scatter_rows
+from ..rope import Rotary, apply_rope
 from .compressor import Compressor, CompressorStore, Indexer, read_entries
 from .config import DeepseekV4Config
-from .kv_cache import GROUP_CSA, GROUP_HCA, GROUP_SWA, ForwardBatch, KVCache, SeqMeta, gather_rows, scatter_rows
-from .linear import GroupedLinear, Linear
-from .norm import RMSNorm, unweighted_rms_norm
-from .rope import Rotary, apply_rope
+from .kv_cache import GROUP_CSA, GROUP_HCA, GROUP_SWA, KVCache
 
 
 @dataclass

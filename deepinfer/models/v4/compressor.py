@@ -21,11 +21,11 @@ from torch import nn
 
 from deepinfer import batch_invariant
 
-from . import invariant_ops
-from .kv_cache import SeqMeta, gather_rows, scatter_rows
-from .linear import Linear
-from .norm import RMSNorm
-from .rope import Rotary, apply_rope
+from .. import invariant_ops
+from ..linear import Linear
+from ..norm import RMSNorm
+from ..paged_batch import SeqMeta, gather_rows, scatter_rows
+from ..rope import Rotary, apply_rope
 
 
 @dataclass

@@ -1,0 +1,75 @@
+"""A step's flattened batch over the paged KV pools, shared by every family: each request's
+slice of the step (`SeqMeta`), the batch (`ForwardBatch`), row access into a paged pool
+through a request's block table, and the block-size rule every family's layout obeys.
+
+A paged pool is ``[blocks, per_block, ...]``; block i of a request's table covers its
+positions ``[i * per_block, (i + 1) * per_block)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class SeqMeta:
+    """One request's slice of a flattened step."""
+
+    start: int  # tokens already in the cache before this step
+    length: int  # tokens fed this step
+    offset: int  # first row in the flattened batch
+    block_table: dict[str, list[int]]
+    slot: int
+    is_new: bool = False  # first chunk since admission: reset/restore the state slot
+    prompt_len: int = 0  # the request's prompt length (V4.1 bounded replay; 0 = unknown)
+
+
+@dataclass
+class ForwardBatch:
+    """Flattened tokens of several requests plus their metadata."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    seqs: list[SeqMeta] = field(default_factory=list)
+    replay: object | None = None  # V4.1 SWA bounded replay (bounded_replay.ReplayConfig)
+    decode: object | None = None  # GPU fast path: pure-decode step tensors (models.fast.decode.DecodeMeta)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def check_block_size(cfg, block_size: int) -> None:
+    """Every family: a block holds whole compressed entries of every compressed layer."""
+    for ratio in {r for r in cfg.compress_ratios if r}:
+        if block_size % ratio:
+            raise ValueError(f"block_size={block_size} must be a multiple of every compress ratio (got ratio {ratio})")
+
+
+def paged_slots(table: list[int], start: int, n: int, per_block: int, valid: np.ndarray | None = None) -> np.ndarray:
+    """Flat pool rows (block * per_block + offset) of positions [start, start + n) of one
+    request. Positions marked invalid (``valid`` False, e.g. before 0) map to row 0 for the
+    caller to mask. A valid position in a freed block (table entry < 0) is a bookkeeping
+    bug: it raises."""
+    pos = start + np.arange(n)
+    ok = np.ones(n, dtype=bool) if valid is None else valid
+    safe = np.where(ok, pos, 0)
+    blocks = np.asarray(table, dtype=np.int64)[safe // per_block]
+    if (blocks[ok] < 0).any():
+        raise RuntimeError(f"read or write of a freed block: rows [{start}, {start + n}) of table {table}")
+    return np.where(ok, blocks * per_block + safe % per_block, 0)
+
+
+def gather_rows(pool: torch.Tensor, table: list[int], start: int, end: int) -> torch.Tensor:
+    """Rows [start, end) of one request's paged sequence: pool is [blocks, per_block, ...]."""
+    slots = torch.from_numpy(paged_slots(table, start, end - start, pool.shape[1]))
+    return pool.view(-1, *pool.shape[2:])[slots]
+
+
+def scatter_rows(pool: torch.Tensor, table: list[int], start: int, rows: torch.Tensor) -> None:
+    """Write rows at sequence positions [start, start + len(rows)) of one request."""
+    slots = torch.from_numpy(paged_slots(table, start, rows.shape[0], pool.shape[1]))
+    pool.view(-1, *pool.shape[2:])[slots] = rows.to(pool.dtype)
