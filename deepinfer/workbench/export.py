@@ -8,6 +8,7 @@ gets a clear error naming the fix instead of a network call.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -17,6 +18,26 @@ import plotly.graph_objects as go
 __all__ = ["FORMATS", "chromium_path", "export_figure"]
 
 FORMATS = ("png", "svg", "html")
+
+#: choreographer (kaleido's browser driver) logs a traceback at ERROR for a pipe message it
+#: could not decode and then ignores; the export still succeeds, but the notebook shows the
+#: traceback as red stderr output. Only that record is dropped: every other error still shows.
+_IGNORED_PIPE_RECORD = "JSONError decoding message. Ignoring"
+
+
+def _drop_ignored_pipe_errors(record: logging.LogRecord) -> bool:
+    return _IGNORED_PIPE_RECORD not in record.getMessage()
+
+
+def quiet_browser_pipe_log() -> None:
+    """Drop choreographer's ignored-message tracebacks (idempotent)."""
+    # logistro installs the logger class choreographer calls debug2() on: a logger created
+    # before it by plain logging.getLogger would lack it and break the browser pipe
+    import logistro
+
+    pipe_logger = logistro.getLogger("choreographer.channels.pipe")
+    if _drop_ignored_pipe_errors not in pipe_logger.filters:
+        pipe_logger.addFilter(_drop_ignored_pipe_errors)
 
 
 def chromium_path() -> str | None:
@@ -47,6 +68,7 @@ def export_figure(fig: go.Figure, path: str | os.PathLike[str], width: int | Non
         raise RuntimeError("PNG / SVG export needs a chromium: `apt-get install chromium` (Debian) or set "
                            "BROWSER_PATH; HTML export needs nothing")
     os.environ.setdefault("BROWSER_PATH", browser)  # kaleido's browser lookup reads it
+    quiet_browser_pipe_log()
     fig.write_image(out, format=fmt, width=width or fig.layout.width or 900, height=height or fig.layout.height or 500,
                     scale=scale if fmt == "png" else 1)
     return out
