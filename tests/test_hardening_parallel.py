@@ -85,10 +85,13 @@ def test_ctrl_c_then_next_call_gets_its_own_outputs(engine, reference) -> None:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-    for _ in range(2):  # the abandoned call's replies arrive meanwhile: both calls get their own
+    for i in range(2):  # the abandoned call's replies arrive meanwhile: both calls get their own
+        start = time.monotonic()
         outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=SHORT, use_tqdm=False)
         assert [o.token_ids for o in outs] == reference
         assert [o.prompt_token_ids for o in outs] == PROMPTS
+        if i == 0:  # the ranks aborted the abandoned call at their next step, not after its 200 tokens
+            assert time.monotonic() - start < 4, "the next call waited for the abandoned one to run out"
 
 
 def test_input_error_mid_step_in_one_rank_fails_the_call_at_once_and_the_engine_serves(engine, reference) -> None:
@@ -110,7 +113,7 @@ def test_input_error_mid_step_in_one_rank_fails_the_call_at_once_and_the_engine_
         assert [o.token_ids for o in outs] == reference
 
 
-def test_stopped_rank_fails_within_the_timeout_and_is_named(engine) -> None:
+def test_stopped_rank_fails_within_the_timeout_and_is_named(engine, reference) -> None:
     listening = _listening([os.getpid(), *(p.pid for p in engine._procs)])
     assert listening and all(a.startswith("127.0.0.1:") for a in listening), listening
     # bad inputs are refused by the driver, before any rank runs, and the engine serves
@@ -121,9 +124,13 @@ def test_stopped_rank_fails_within_the_timeout_and_is_named(engine) -> None:
         sp.temperature = 1e39
         engine.generate(prompt_token_ids=PROMPTS[:2], sampling_params=sp, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="int64"):
-        sp = SamplingParams()
+        sp = SamplingParams(structured_output={"regex": "[ab]+"})
         sp.top_k = 2**70
         engine.generate(prompt_token_ids=PROMPTS[:2], sampling_params=sp, use_tqdm=False)
+    # a grammar that fails to compile is refused by the ranks' admission, before any step
+    with pytest.raises(InvalidRequestError, match="grammar compilation failed"):
+        engine.generate(prompt_token_ids=PROMPTS[:2], use_tqdm=False, sampling_params=SamplingParams(
+            structured_output={"json": {"type": "string", "minLength": -1}}))
     # a share only one rank rejects (sent past the driver's checks): both ranks agree, nothing runs
     with pytest.raises(InvalidRequestError, match="outside"):
         engine._call("generate", [{"prompt_token_ids": [[1, VOCAB]], "sampling_params": [SHORT]},
@@ -133,7 +140,8 @@ def test_stopped_rank_fails_within_the_timeout_and_is_named(engine) -> None:
     with pytest.raises(InvalidRequestError, match="rank 0 could not admit its share"):
         engine._call("generate", [{"prompt_token_ids": [[1, 2]], "sampling_params": [odd]},
                                   {"prompt_token_ids": [[1, 2]], "sampling_params": [SHORT]}])
-    assert len(engine.generate(prompt_token_ids=PROMPTS, sampling_params=SHORT, use_tqdm=False)) == 3
+    outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=SHORT, use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference, "the group serves correctly after every refusal"
     victim = engine._procs[1].pid
     os.kill(victim, signal.SIGSTOP)
     start = time.monotonic()

@@ -19,7 +19,9 @@ serving; prompts and sampling values are checked here, before any rank sees the 
 
 Replies are request-scoped: every command carries a call id and every reply echoes it, so
 the replies of a call abandoned half-way (Ctrl-C in ``generate``) are recognised as stale
-and dropped by the next call instead of being returned as its outputs.
+and dropped by the next call instead of being returned as its outputs. The abandoned id is
+also shared with the ranks, which abort that call at their next step, so the next call
+does not wait for the abandoned one to run out its tokens.
 """
 
 from __future__ import annotations
@@ -150,10 +152,12 @@ class DataParallelEngine:
         self._store, port = listen_store(dist_host(), world, self.timeout_s)
         spec = WorkerSpec(model, tokenizer, world, port, accelerator, self.timeout_s, ep > 1, kw, host=dist_host())
         ctx = _context()
+        self._abandoned = ctx.Value("q", 0, lock=False)  # written here only; ranks read it each step
         self._procs, self._conns = [], []
         for rank in range(world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(rank, spec, child), daemon=True, name=f"deepinfer-rank{rank}")
+            proc = ctx.Process(target=worker_main, args=(rank, spec, child, self._abandoned), daemon=True,
+                               name=f"deepinfer-rank{rank}")
             proc.start()
             child.close()
             self._procs.append(proc)
@@ -195,7 +199,11 @@ class DataParallelEngine:
             except OSError:  # broken pipe: the rank is gone
                 self._procs[r].join(timeout=5)
                 self._rank_died(r, cmd, {})
-        return self._collect(cmd, ranks, call_id)
+        try:
+            return self._collect(cmd, ranks, call_id)
+        except KeyboardInterrupt:
+            self._abandoned.value = call_id  # the ranks abort it at their next step
+            raise
 
     def _collect(self, cmd: str, ranks: list[int] | None = None, call_id: int = 0) -> list[Any]:
         """The replies of call ``call_id`` from ``ranks`` (stale replies of earlier, abandoned

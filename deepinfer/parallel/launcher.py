@@ -188,8 +188,10 @@ def _handle(engine: Any, cmd: str, payload: Any) -> Any:
     raise ValueError(f"unknown worker command {cmd!r}")
 
 
-def worker_main(rank: int, spec: WorkerSpec, conn: Any) -> None:
-    """Entry point of a spawned rank: join the group, build the engine, serve commands."""
+def worker_main(rank: int, spec: WorkerSpec, conn: Any, abandoned: Any = None) -> None:
+    """Entry point of a spawned rank: join the group, build the engine, serve commands.
+    ``abandoned`` (a shared int64) holds the id of the last call the driver gave up on:
+    the rank's lockstep loop aborts that call at its next step instead of running it out."""
     from deepinfer.parallel.rank_engine import RankLLM
 
     # Ctrl-C (and Jupyter's interrupt / shutdown, which signal the kernel's whole process
@@ -217,6 +219,8 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Any) -> None:
         kw, eplb, placement = split_kwargs(spec.kwargs)
         engine = RankLLM(spec.model, spec.tokenizer, comm=comm, expert_parallel=spec.expert_parallel, eplb=eplb,
                          placement=placement, **kw)
+        if abandoned is not None:
+            engine.engine.call_abandoned = lambda: abandoned.value >= call_id > 0
         reply("ok", rank)
     except BaseException as exc:  # noqa: BLE001 - reported to the driver
         reply("error", (exc, traceback.format_exc()))

@@ -12,7 +12,7 @@ or directly under ``torchrun`` (see `deepinfer.parallel.launcher.rank_llm_from_t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from deepinfer.parallel.expert_parallel import ExpertParallelMoE
 from deepinfer.parallel.placement import ExpertPlacement, PlacementError
 from deepinfer.sampling_params import SamplingParams
 
-__all__ = ["RankEngineCore", "RankLLM", "PeerRejectedError"]
+__all__ = ["RankEngineCore", "RankLLM", "PeerRejectedError", "CallAbandonedError"]
 
 
 class PeerRejectedError(DeepInferError):
@@ -41,6 +41,11 @@ class RankStepError(DeepInferError):
     """This rank's step failed outside the group's collectives (an input its requests carry,
     e.g. a user's SamplingParams subclass, or a grammar failing mid-generation): the call's
     requests were aborted on every rank, and the group still serves."""
+
+
+class CallAbandonedError(DeepInferError):
+    """The driver abandoned this call (Ctrl-C in ``generate``): every rank aborted its
+    requests at the same step. Its reply is stale; the driver drops it."""
 
 
 class _InSync(Exception):
@@ -169,16 +174,25 @@ class RankEngineCore(EngineCore):
         for rid in [*self.scheduler.requests, *self.structured.pending]:
             self.abort(rid)
 
+    #: whether the driver abandoned the call being served (set by the worker loop; each
+    #: rank reads it at its own moment, the has-work all-reduce makes the verdict common)
+    call_abandoned: Callable[[], bool] = staticmethod(lambda: False)
+
     def has_unfinished(self) -> bool:
         local = super().has_unfinished()
-        failed = -1
+        failed, abandoned = -1, bool(self.call_abandoned())
         if self.comm.world_size == 1:
             failed = self.comm.rank if self.step_error is not None else -1
         else:
-            flag = torch.tensor([1 if local else 0, 0 if self.step_error is None else self.comm.rank + 1],
-                                dtype=torch.int64, device=self.device)
+            flag = torch.tensor([1 if local else 0, 0 if self.step_error is None else self.comm.rank + 1,
+                                 int(abandoned)], dtype=torch.int64, device=self.device)
             self.comm.all_reduce(flag, "max")
-            local, failed = bool(flag[0].item()), int(flag[1].item()) - 1
+            local, failed, abandoned = bool(flag[0].item()), int(flag[1].item()) - 1, bool(flag[2].item())
+        if abandoned and local:
+            self._abort_all()
+            self.step_error = None
+            raise CallAbandonedError("the driver abandoned this generate() call; its requests were aborted on "
+                                     "every rank")
         if failed < 0:
             return local
         self._abort_all()
