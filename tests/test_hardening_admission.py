@@ -45,11 +45,21 @@ def test_unfittable_third_prompt_queues_nothing(llm, reference) -> None:
     serves(llm, reference)
 
 
-def test_bad_grammar_second_prompt_queues_nothing(llm, reference) -> None:
-    params = [SamplingParams(structured_output={"regex": "[ab]+"}, max_tokens=4),
-              SamplingParams(structured_output={"regex": r"[^\s\S]"}, max_tokens=4)]  # empty language
-    with pytest.raises(InvalidRequestError, match=r"sampling_params\[1\].*language is empty"):
-        llm.generate(["Hello", "World"], params, use_tqdm=False)
+@pytest.mark.parametrize("spec,match", [
+    ({"regex": r"[^\s\S]"}, r"sampling_params\[1\].*language is empty"),  # a class no character is in
+    ({"ebnf": "root ::= x\nx ::= x"}, r"sampling_params\[1\].*language is empty"),  # a rule that never ends
+    ({"ebnf": "root ::= [^\\x00-\\U0010FFFF]"}, r"sampling_params\[1\].*language is empty"),
+    ({"ebnf": ""}, "structured_output: ebnf needs a non-empty str"),  # refused by SamplingParams itself
+    ({"json": {"type": "string", "minLength": -1}}, r"sampling_params\[1\].*grammar compilation failed.*-1"),
+])
+def test_bad_grammar_second_prompt_queues_nothing(llm, reference, spec, match) -> None:
+    """Grammars are compiled and their first step checked before anything is queued (before,
+    an empty language or a schema xgrammar cannot compile failed after admission and aborted
+    every request of the call)."""
+    good = SamplingParams(structured_output={"regex": "[ab]+"}, max_tokens=4)
+    with pytest.raises(InvalidRequestError, match=match):
+        bad = SamplingParams(structured_output=spec, max_tokens=4)
+        llm.generate(["Hello", "World"], [good, bad], use_tqdm=False)
     assert idle(llm)
     serves(llm, reference)
 
