@@ -51,6 +51,28 @@ def prefill_ops(kind: str) -> SimpleNamespace:
     return ops
 
 
+def select_prefill_ops(path_cls: Any, model: Any, cache: Any) -> Any:
+    """The prefill ops a family's prefill path runs with, or None for the reference path:
+    ``DEEPINFER_FAST_PREFILL`` forces triton / ref (tests, CPU), else the Triton kernels on
+    CUDA for a half-precision model unless ``DEEPINFER_FASTPATH`` turns the fast path off
+    (``=1`` also takes float32). Why the kernels did not import lands in ``path_cls.unavailable``."""
+    mode = envs.DEEPINFER_FAST_PREFILL
+    if mode == "0":
+        return None
+    if mode in ("triton", "ref"):
+        return prefill_ops(mode)
+    fastpath = envs.DEEPINFER_FASTPATH
+    if cache.swa[0].device.type != "cuda" or fastpath in ("0", "off", "false", "no", "ref"):
+        return None
+    if fastpath != "1" and getattr(model, "dtype", None) not in (torch.bfloat16, torch.float16):
+        return None
+    try:
+        return prefill_ops("triton")
+    except Exception as exc:  # no triton / kernels: reference path
+        path_cls.unavailable = repr(exc)
+        return None
+
+
 class PrefillPath:
     """Runs prefill / mixed steps of one model replica on the fast path."""
 
@@ -65,22 +87,10 @@ class PrefillPath:
     def create(cls, model: Any, cache: KVCache) -> PrefillPath | None:
         from ..v4.model import DeepseekV4Model
 
-        mode = envs.DEEPINFER_FAST_PREFILL
-        if mode == "0" or type(model) is not DeepseekV4Model:  # V4.1 prefill: the reference path for now
+        if type(model) is not DeepseekV4Model:  # V4.1 has its own (v41/fast/prefill.py)
             return None
-        if mode in ("triton", "ref"):
-            return cls(model, cache, prefill_ops(mode))
-        fastpath = envs.DEEPINFER_FASTPATH
-        if cache.swa[0].device.type != "cuda" or fastpath in ("0", "off", "false", "no", "ref"):
-            return None
-        if fastpath != "1" and getattr(model, "dtype", None) not in (torch.bfloat16, torch.float16):
-            return None
-        try:
-            ops = prefill_ops("triton")
-        except Exception as exc:  # no triton / kernels: reference path
-            cls.unavailable = repr(exc)
-            return None
-        return cls(model, cache, ops)
+        ops = select_prefill_ops(cls, model, cache)
+        return None if ops is None else cls(model, cache, ops)
 
     def prepare(self, batch: ForwardBatch) -> PrefillMeta | None:
         """Metadata of a prefill / mixed step, or None when this path does not run it."""

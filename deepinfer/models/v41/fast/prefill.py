@@ -39,7 +39,7 @@ from ...bounded_replay import batch_cuts
 from ...fast.forward import head_logits
 from ...fast.moe import moe_forward
 from ...fast.moe import supported as moe_supported
-from ...fast.prefill import prefill_ops
+from ...fast.prefill import select_prefill_ops
 from ...fast.prefill_meta import PrefillMeta, build_prefill_meta
 from ...moe import MoE
 from ...paged_batch import ForwardBatch, SeqMeta
@@ -70,19 +70,8 @@ class PrefillPathV41:
         if n < 4 or n & (n - 1):  # the fused mHC kernels hold N x N in registers
             cls.unavailable = f"hc_mult={n} (fused mHC needs a power of two >= 4)"
             return None
-        if mode in ("triton", "ref"):
-            return cls(model, cache, prefill_ops(mode))
-        fastpath = envs.DEEPINFER_FASTPATH
-        if cache.swa[0].device.type != "cuda" or fastpath in ("0", "off", "false", "no", "ref"):
-            return None
-        if fastpath != "1" and getattr(model, "dtype", None) not in (torch.bfloat16, torch.float16):
-            return None
-        try:
-            ops = prefill_ops("triton")
-        except Exception as exc:  # no triton / kernels: reference path
-            cls.unavailable = repr(exc)
-            return None
-        return cls(model, cache, ops)
+        ops = select_prefill_ops(cls, model, cache)
+        return None if ops is None else cls(model, cache, ops)
 
     def prepare(self, batch: ForwardBatch) -> PrefillMeta | None:
         """Metadata of a prefill / mixed step, or None when this path does not run it (EP
