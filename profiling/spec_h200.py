@@ -167,6 +167,12 @@ def profile_steps(llm: LLM, prompts: list[str], batch: int, steps: int) -> dict:
     runtime = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU
                and e.name.startswith(("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cudaMemcpy"))]
     busy = sum(e.time_range.elapsed_us() for e in kernels)
+    per_kernel: dict[str, list[float]] = {}
+    for e in kernels:
+        per_kernel.setdefault(e.name[:80], []).append(e.time_range.elapsed_us())
+    top = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:15]
+    host_ops = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0),
+                      key=lambda e: -e.self_cpu_time_total)[:15]
     gaps = [b.time_range.start - a.time_range.end for a, b in zip(kernels, kernels[1:])]
     big = [g for g in gaps if g > 20]
     return {"batch": batch, "steps": steps, "wall_ms_per_step": round(wall * 1e3 / steps, 3),
@@ -181,7 +187,11 @@ def profile_steps(llm: LLM, prompts: list[str], batch: int, steps: int) -> dict:
             "host_gap_ms_per_step": round(sum(big) / 1e3 / steps, 3),
             # torch.cuda sync debug mode's warnings per step (the explicit waits on the results'
             # copy events are not among them); None off CUDA
-            "implicit_syncs_per_step": syncs}
+            "implicit_syncs_per_step": syncs,
+            "top_kernels": [{"name": n, "calls_per_step": round(len(t) / steps, 1),
+                             "us_per_step": round(sum(t) / steps, 1)} for n, t in top],
+            "top_host_ops": [{"name": e.key[:80], "calls_per_step": round(e.count / steps, 1),
+                              "self_us_per_step": round(e.self_cpu_time_total / steps, 1)} for e in host_ops]}
 
 
 def invariant_check(prompts: list[str], args) -> dict:
@@ -238,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--prompt-chars", type=int, default=400)
-    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {','.join(CONFIGS)} (off always runs)")
     args = ap.parse_args(argv)
@@ -269,6 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
         if label == "dspark-k5-fixed" or (label == args.configs[-1] and "profile" not in res and label != "off"):
             res["profile"] = {"config": label, **profile_steps(llm, prompts, args.batches[len(args.batches) // 2],
                                                                args.profile_steps)}
+        if label in ("off", "mtp-k1", "dspark-k5-fixed"):  # where a batch-1 step's time goes, beside off's
+            res.setdefault("profiles_b1", {})[label] = profile_steps(llm, prompts, 1, args.profile_steps)
         del llm
         gc.collect()
     for label in args.configs:  # default mode: equal to off at the same batch (not a target: bf16 rounding)
@@ -289,7 +301,11 @@ def main(argv: list[str] | None = None) -> dict:
         for r in res[label]["runs"]:
             print(f"{label:22} {r['batch']:>5} {r['tok_s_per_user']:>11} {r['tok_s_total']:>10} "
                   f"{r['effective_tokens_per_step']:>12}  {r.get('acceptance_per_position', '')}")
-    print("profile:", res.get("profile"))
+    print("profile:", {k: v for k, v in res.get("profile", {}).items() if not k.startswith("top_")})
+    for label, p in res.get("profiles_b1", {}).items():
+        print(f"b1 {label}: wall {p['wall_ms_per_step']} ms/step, GPU busy {p['gpu_busy_ms_per_step']} ms, "
+              f"{p['kernels_per_step']} kernels, {p['graph_launches_per_step']} graphs, "
+              f"{p['host_kernel_launches_per_step']} launches, syncs {p['implicit_syncs_per_step']}")
     print("invariant:", res["invariant"])
     for t in res["targets"]:
         print(f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {t['value']} (target {t['target']})")

@@ -149,3 +149,22 @@ def test_graphed_feature_writes_equal_eager_writes(ckpt, monkeypatch):
     llm.generate(prompt_token_ids=_prompts(), sampling_params=GREEDY, use_tqdm=False)
     assert len(checked) > 3 and all(checked)  # every step wrote rows
     assert feats.stats["graph_steps"] > 0
+
+
+def test_batch_invariant_engine_keeps_the_eager_invariant_drafter(ckpt, monkeypatch):
+    """In batch-invariant mode the drafter is not captured (its pass would run the mode's
+    reference MoE inside a capture, which the GPU refuses): it drafts eagerly in the mode,
+    and greedy speculation still equals the invariant engine without it."""
+    monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
+
+    def invariant(spec: int) -> LLM:
+        return LLM(ckpt, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                   num_speculative_tokens=spec, batch_invariant=True)
+
+    want = [o.token_ids for o in invariant(0).generate(prompt_token_ids=_prompts(), sampling_params=GREEDY,
+                                                       use_tqdm=False)]
+    llm = invariant(4)
+    assert llm.runner.spec.drafter.graphs is None
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=_prompts(), sampling_params=GREEDY, use_tqdm=False)]
+    assert got == want

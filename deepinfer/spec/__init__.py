@@ -4,6 +4,7 @@ scheduled verify lengths, metrics. `setup(llm)` wires it into an engine when
 
 from __future__ import annotations
 
+from deepinfer import batch_invariant
 from deepinfer.errors import ConfigError
 from deepinfer.models.registry import family_of
 
@@ -57,7 +58,10 @@ def setup(llm) -> None:
     fast = llm.runner.fast
     drafter.fast_ops = fast.ops if fast is not None else None  # drafters that can, run the fused kernels
     if fast is not None and hasattr(drafter, "prepare_graphs"):  # the draft step's graphs, captured now
-        drafter.prepare_graphs(llm.config.max_num_seqs, fast.graphs_enabled)
+        # in the runner's mode, as its own graphs are: the drafter keeps its eager, invariant
+        # pass in batch-invariant mode (a captured one would run the mode's reference MoE)
+        with batch_invariant.batch_invariant_mode(llm.runner.batch_invariant):
+            drafter.prepare_graphs(llm.config.max_num_seqs, fast.graphs_enabled)
     # the confidence scheduler's T(verify tokens) is measured by `measure_step_curve` once the
     # verify graphs are captured (`ModelRunner.warmup`): it times the steps verification runs
     llm.runner.spec = SpecDecoder(drafter, k, varlen=llm.config.enable_mtp_varlen)
