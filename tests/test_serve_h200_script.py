@@ -26,7 +26,10 @@ def test_serve_h200_tiny(tmp_path, capsys):
     for client, srv in saved["servers"].items():
         assert saved["compared"][client]["greedy_equal"] is True, client
         sat = srv["saturation"]
-        assert sat["completed"] == 3 and sat["failed"] == 0 and sat["total_output_tokens"] == 12
+        # sustained load: 4 waves of the batch, 3 in flight; then one burst of 3
+        assert sat["completed"] == 12 and sat["failed"] == 0 and sat["total_output_tokens"] == 48
+        assert srv["burst"]["completed"] == 3 and srv["burst"]["total_output_tokens"] == 12
+        assert saved["compared"][client]["burst_ratio"] > 0
         engine = sat["engine"]
         assert engine["steps"] >= 4 and engine["mean_step_ms"] > 0 and 0 < engine["duty_cycle"] <= 1.05
         inside = srv["low_load"]["server_side"]  # the server's own TTFT is part of what the client saw
