@@ -50,7 +50,16 @@ def test_unfittable_third_prompt_queues_nothing(llm, reference) -> None:
     ({"ebnf": "root ::= x\nx ::= x"}, r"sampling_params\[1\].*language is empty"),  # a rule that never ends
     ({"ebnf": "root ::= [^\\x00-\\U0010FFFF]"}, r"sampling_params\[1\].*language is empty"),
     ({"ebnf": ""}, "structured_output: ebnf needs a non-empty str"),  # refused by SamplingParams itself
-    ({"json": {"type": "string", "minLength": -1}}, r"sampling_params\[1\].*grammar compilation failed.*-1"),
+    # our message, naming the keyword, its path and the range (was xgrammar's compile error)
+    ({"json": {"type": "string", "minLength": -1}},
+     r"sampling_params\[1\].*schema/minLength: 'minLength' must be a non-negative integer.*got -1"),
+    ({"json": {"type": "string", "maxLength": -1}}, r"schema/maxLength: 'maxLength' must be a non-negative integer"),
+    ({"json": {"type": "object", "properties": {"t": {"type": "array", "minItems": -1}}}},
+     r"schema/properties/t/minItems: 'minItems' must be a non-negative integer"),
+    ({"json": {"type": "string", "minLength": 3, "maxLength": 1}}, r"'minLength' 3 > 'maxLength' 1"),
+    # no finite string: the first step allows "a", so only the productive-rule check refuses them
+    ({"ebnf": 'root ::= "a" root'}, r"sampling_params\[1\].*rule 'root' derives no finite string"),
+    ({"ebnf": 'root ::= a\na ::= "x" root'}, r"rule 'root' derives no finite string.*\['a'\]"),
 ])
 def test_bad_grammar_second_prompt_queues_nothing(llm, reference, spec, match) -> None:
     """Grammars are compiled and their first step checked before anything is queued (before,

@@ -199,3 +199,57 @@ def test_llguidance_bitmask_equals_xgrammar(fresh_seed: int) -> None:
     g = RequestGrammar(byte_pool("llguidance").submit(StructuredOutputSpec("json", schema)).result())
     assert g.valid_prefix(list(b'{"tags": ["a"], "n": 5x')) == len(b'{"tags": ["a"], "n": 5')
     assert g.num_seen == 0 and g.valid_prefix(list(b'{"ta')) == 4
+
+
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
+           "maxContains")
+
+
+@pytest.mark.parametrize("mode", ["auto", "xgrammar", "llguidance"])
+@pytest.mark.parametrize("key", _COUNTS)
+@pytest.mark.parametrize("value", [-1, 1.5, True, "3", None])
+def test_count_keywords_must_be_non_negative_integers(mode: str, key: str, value: object) -> None:
+    """Before, maxLength: -1 / minItems: -1 compiled (read as no bound) and minLength: -1 failed
+    with xgrammar's text; now each is refused naming the keyword, its path and the range."""
+    schema = {"type": "object", "properties": {"p": {"anyOf": [{"type": "null"}, {key: value}]}}}
+    with pytest.raises(InvalidRequestError) as info:
+        plan_spec(StructuredOutputSpec("json", schema), mode)
+    assert str(info.value) == (f"SamplingParams.structured_output: schema/properties/p/anyOf/1/{key}: '{key}' "
+                               f"must be a non-negative integer (0, 1, 2, ...), got {value!r}")
+    assert info.value.field == "structured_output"
+
+
+def test_integer_valued_counts_are_integers_and_inverted_pairs_name_both() -> None:
+    for mode in ("xgrammar", "llguidance"):  # 2.0 is an integer to JSON Schema; both backends refused it
+        assert plan_spec(StructuredOutputSpec("json", {"type": "string", "minLength": 2.0, "maxLength": 5}), mode)
+    assert plan_spec(StructuredOutputSpec("json", {"type": "string", "minLength": 2.0}), "xgrammar").source == {
+        "type": "string", "minLength": 2}
+    for lo, hi, kind in (("minLength", "maxLength", "string"), ("minItems", "maxItems", "array"),
+                         ("minProperties", "maxProperties", "object")):
+        with pytest.raises(InvalidRequestError, match=f"schema/{lo}: '{lo}' 3 > '{hi}' 1: no {kind} satisfies"):
+            plan_spec(StructuredOutputSpec("json", {"type": kind, lo: 3, hi: 1}))
+
+
+@pytest.mark.parametrize("grammar, stuck", [
+    ('root ::= "a" root', []),  # the first step allows "a": the bitmask check admitted these
+    ('root ::= a\na ::= "x" root', ["a"]),  # mutual recursion
+    ('root ::= "a" b\nb ::= "y" b | c\nc ::= "(" b ")"', ["b", "c"]),
+    ('root ::= x{2,3}\nx ::= "a" x', ["x"]),  # a repeat of at least one
+    ('root ::= ("a" root)+', ["root_1"]),
+    ("root ::= [^\\x00-\\U0010FFFF] | root", []),  # a class no character is in
+])
+def test_ebnf_whose_rules_never_end_is_refused(grammar: str, stuck: list[str]) -> None:
+    with pytest.raises(InvalidRequestError, match="rule 'root' derives no finite string, so the language is "
+                                                  "empty") as info:
+        plan_spec(StructuredOutputSpec("ebnf", grammar))
+    assert (str(stuck) in str(info.value)) if stuck else "the rule itself" in str(info.value)
+
+
+@pytest.mark.parametrize("grammar", [
+    'root ::= "a" root | "b"', 'root ::= "a" b\nb ::= "c" | b "d"', 'root ::= ("a" root)*',
+    'root ::= x{0,3}\nx ::= "a" x', 'root ::= "a"{2,3} [^b]* ("x" root)? t\nt ::= "<" root ">" | ""',
+    'root ::= [^\\x00-\\x10] | root', 'root ::= TagDispatch(("<a>", x))\nx ::= "b"',
+    'root ::= term (("+" | "*") term)*\nterm ::= [0-9]+ | "(" root ")"'])
+def test_ebnf_with_a_finite_string_is_admitted(grammar: str) -> None:
+    assert plan_spec(StructuredOutputSpec("ebnf", grammar)).source == grammar
+    check_structured(SamplingParams(structured_output={"ebnf": grammar}))

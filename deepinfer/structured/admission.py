@@ -38,13 +38,13 @@ def check_structured(params: Any, mode: str | None = None, vocab_size: int | Non
     from deepinfer.structured.backends import plan_spec
 
     plan = plan_spec(spec, mode)
-    if plan.backend == "xgrammar" and plan.kind in ("regex", "ebnf"):
+    if plan.backend == "xgrammar" and plan.kind == "regex":  # an EBNF is parsed (and checked) by plan_spec
         import xgrammar as xgr
 
         from deepinfer.structured.backends import clean_xgrammar_error
 
         try:
-            xgr.Grammar.from_regex(plan.source) if plan.kind == "regex" else xgr.Grammar.from_ebnf(plan.source)
+            xgr.Grammar.from_regex(plan.source)
         except RuntimeError as e:
             raise InvalidRequestError(f"SamplingParams.structured_output: invalid {plan.kind}: "
                                       f"{clean_xgrammar_error(e)}", field="structured_output") from None

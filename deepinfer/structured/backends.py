@@ -11,7 +11,8 @@
 
 Every JSON schema first goes through ``schema_rules.normalize_schema`` (contradictions
 rejected, exact rewrites), whatever the backend. Regex and EBNF specs always use
-xgrammar (EBNF is its grammar dialect; its regex rules are in ``checks.check_regex``).
+xgrammar (EBNF is its grammar dialect; its regex rules are in ``checks.check_regex``); an
+EBNF is parsed here and its root must derive a finite string (``ebnf_productive``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer.errors import InvalidRequestError
+from deepinfer.structured.ebnf_productive import check_productive
 from deepinfer.structured.checks import check_regex, check_xgrammar, rewrite_regexes
 from deepinfer.structured.llg_rewrites import LLG_EXACT_FORMATS, check_llg_formats, llg_rewrite
 from deepinfer.structured.schema_rules import normalize_schema, schema_error
@@ -91,6 +93,19 @@ def _xgrammar_json(schema: dict, spec: StructuredOutputSpec) -> dict:
     return checked
 
 
+def _xgrammar_ebnf(source: str) -> str:
+    """``source`` once xgrammar parses it and its root derives some finite string."""
+    import xgrammar as xgr
+
+    try:
+        grammar = xgr.Grammar.from_ebnf(source)
+    except RuntimeError as e:
+        raise InvalidRequestError(f"SamplingParams.structured_output: invalid ebnf: {clean_xgrammar_error(e)}",
+                                  field="structured_output") from None
+    check_productive(grammar.serialize_json())
+    return source
+
+
 _STDERR_LOCK = threading.Lock()
 
 
@@ -126,7 +141,7 @@ def plan_spec(spec: StructuredOutputSpec, mode: str | None = None) -> GrammarPla
     if spec.kind == "regex":
         return GrammarPlan("xgrammar", "regex", check_regex(str(spec.schema)))
     if spec.kind == "ebnf":
-        return GrammarPlan("xgrammar", "ebnf", spec.schema)
+        return GrammarPlan("xgrammar", "ebnf", _xgrammar_ebnf(spec.schema))
     schema = normalize_schema(spec.schema_dict)
     if mode == "llguidance":
         return GrammarPlan("llguidance", spec.kind, _llguidance_json(schema, spec))

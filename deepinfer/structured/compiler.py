@@ -84,10 +84,8 @@ class GrammarCompilerPool:
             return  # parsed (and compiled or compiling) already
         try:
             plan = self.plan(spec)
-            if plan.backend == "xgrammar" and plan.kind == "regex":
+            if plan.backend == "xgrammar" and plan.kind == "regex":  # an EBNF is parsed by plan_spec
                 self._xgr.Grammar.from_regex(plan.source)
-            elif plan.backend == "xgrammar" and plan.kind == "ebnf":
-                self._xgr.Grammar.from_ebnf(plan.source)
         except RuntimeError as e:
             raise InvalidRequestError(f"SamplingParams.structured_output: invalid {spec.kind}: "
                                       f"{clean_xgrammar_error(e)}", field="structured_output") from None

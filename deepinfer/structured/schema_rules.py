@@ -2,6 +2,8 @@
 
 Before either grammar backend sees a schema, :func:`normalize_schema` walks it and
 
+* rejects count keywords (``minLength``, ``maxItems``...) that are not non-negative
+  integers, where the request wrote them (``schema_counts.py``);
 * rejects what no value (or no object / array / string / number) can satisfy, naming
   the keyword and its JSON path: ``type: []``, ``enum`` / ``const`` with no value of
   the schema's ``type``, a ``const`` outside its ``enum``, ``required`` properties a
@@ -325,8 +327,9 @@ def normalize_schema(schema: dict) -> dict:
     """Raise InvalidRequestError (keyword and JSON path) for a contradictory schema; else
     return the rewritten schema that the backend checks and compile."""
     from deepinfer.structured.ref_hoist import hoist_refs, inline_false_refs
+    from deepinfer.structured.schema_counts import check_counts
 
-    out = hoist_refs(schema)
+    out = hoist_refs(check_counts(schema))  # counts first: where the request wrote them
     for _ in range(4):  # a definition found unsatisfiable may make those that use it so
         out = _walk(out, "schema", PushContext.of(out))
         out, changed = inline_false_refs(out)
