@@ -209,7 +209,7 @@ _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "m
 @pytest.mark.parametrize("key", _COUNTS)
 @pytest.mark.parametrize("value", [-1, 1.5, True, "3", None])
 def test_count_keywords_must_be_non_negative_integers(mode: str, key: str, value: object) -> None:
-    """Before, maxLength: -1 / minItems: -1 compiled (read as no bound) and minLength: -1 failed
+    """Before, maxLength: -1 / minItems: -1 were admitted and minLength: -1 failed
     with xgrammar's text; now each is refused naming the keyword, its path and the range."""
     schema = {"type": "object", "properties": {"p": {"anyOf": [{"type": "null"}, {key: value}]}}}
     with pytest.raises(InvalidRequestError) as info:

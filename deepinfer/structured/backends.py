@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer.errors import InvalidRequestError
-from deepinfer.structured.ebnf_productive import check_productive
 from deepinfer.structured.checks import check_regex, check_xgrammar, rewrite_regexes
+from deepinfer.structured.ebnf_productive import check_productive
 from deepinfer.structured.llg_rewrites import LLG_EXACT_FORMATS, check_llg_formats, llg_rewrite
 from deepinfer.structured.schema_rules import normalize_schema, schema_error
 from deepinfer.structured.spec import StructuredOutputSpec

@@ -3,7 +3,7 @@
 ``minLength`` / ``maxLength``, ``minItems`` / ``maxItems``, ``minProperties`` /
 ``maxProperties`` and ``minContains`` / ``maxContains`` must be non-negative integers
 (JSON Schema 2020-12, section 6; an integer-valued number such as ``2.0`` is one). Before,
-``maxLength: -1`` or ``minItems: -1`` compiled (xgrammar read -1 as "no bound") and
+``maxLength: -1`` or ``minItems: -1`` were admitted (xgrammar compiled them) and
 ``minLength: -1`` failed inside xgrammar with its own text; now each is refused at
 admission naming the keyword and its JSON path (``schema/properties/tags/minItems``),
 before any rewrite moves it. ``2.0`` is rewritten to ``2`` (both backends refuse floats).
