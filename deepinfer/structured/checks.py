@@ -31,6 +31,7 @@ from typing import Any
 
 from deepinfer.errors import InvalidRequestError
 from deepinfer.structured.disjoint import provably_disjoint
+from deepinfer.structured.schema_keys import SUBSCHEMA, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS
 from deepinfer.structured.patterns import DATE_PATTERN, DATE_TIME_PATTERN, TIME_PATTERN  # noqa: F401
 from deepinfer.structured.schema_rules import normalize_schema
 
@@ -60,10 +61,6 @@ _NUMERIC_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _IGNORED = ("contains", "minContains", "maxContains", "not", "if", "then", "else", "dependentRequired",
             "dependentSchemas", "dependencies", "contentEncoding", "contentMediaType", "contentSchema",
             "$dynamicRef", "$recursiveRef")
-_SUBSCHEMA = ("additionalProperties", "unevaluatedProperties", "propertyNames", "items", "unevaluatedItems",
-              "additionalItems")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 #: Letter escapes xgrammar's regex parser understands (others: literal letter or error).
 _LETTER_ESCAPES = frozenset("dDwWsSnrtfvxu")
 
@@ -245,10 +242,10 @@ def _walk(schema: Any, where: str, xgrammar: bool = True, root: Any = None) -> A
     out = dict(schema)
     if isinstance(schema.get("pattern"), str):
         out["pattern"] = check_regex(schema["pattern"], f"{where}/pattern")
-    for key in _SUBSCHEMA:
+    for key in SUBSCHEMA:
         if key in schema and not isinstance(schema[key], list):
             out[key] = _walk(schema[key], f"{where}/{key}", xgrammar, root)
-    for key in _SUBSCHEMA_MAPS:
+    for key in SUBSCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             sub = {}
             for name, value in schema[key].items():
@@ -260,7 +257,7 @@ def _walk(schema: Any, where: str, xgrammar: bool = True, root: Any = None) -> A
                 new_name = check_regex(name, f"{where}/{key}") if key == "patternProperties" else name
                 sub[new_name] = _walk(value, f"{where}/{key}/{name}", xgrammar, root)
             out[key] = sub
-    for key in _SUBSCHEMA_LISTS:
+    for key in SUBSCHEMA_LISTS:
         if isinstance(schema.get(key), list):
             out[key] = [_walk(s, f"{where}/{key}/{i}", xgrammar, root) for i, s in enumerate(schema[key])]
     return out

@@ -105,7 +105,7 @@ def check_productive(serialized: str) -> None:
     stuck = unproductive_root(serialized)
     if stuck is None:
         return
-    others = [name for name in stuck[1:6]]
+    others = stuck[1:6]
     via = f"; every alternative needs one of the rules {others}, which never end either" if others else \
         "; every alternative needs the rule itself or a character class no character is in"
     raise InvalidRequestError(f"SamplingParams.structured_output: grammar: rule {stuck[0]!r} derives no finite "

@@ -16,16 +16,17 @@ import math
 from typing import Any
 
 from deepinfer.errors import InvalidRequestError
+from deepinfer.structured.schema_keys import SUBSCHEMA, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS
 
 __all__ = ["COUNT_KEYWORDS", "check_counts"]
 
 COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
                   "minContains", "maxContains")
-# where subschemas sit (every draft's spelling); their other values are data (enum, const...)
-_SUB = ("additionalProperties", "unevaluatedProperties", "propertyNames", "items", "unevaluatedItems",
-        "additionalItems", "contains", "not", "if", "then", "else")
-_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
-_SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+# where subschemas sit: those xgrammar's check walks, plus the ones it ignores (a count
+# there is still the request's mistake); their other values are data (enum, const...)
+_SUB = SUBSCHEMA + ("contains", "not", "if", "then", "else")
+_SUB_MAPS = SUBSCHEMA_MAPS + ("dependentSchemas", "dependencies")
+_SUB_LISTS = SUBSCHEMA_LISTS
 
 
 def _count(value: Any) -> int | None:
