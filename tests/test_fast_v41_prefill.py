@@ -23,16 +23,35 @@ from deepinfer.models.tiny import tiny_v41_config, write_tiny_checkpoint  # noqa
 VOCAB, WINDOW, KEEP = 512, 32, 40
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+#: With the checkpoint's KV-cache rounding the executor's float32 op order, an ulp or so off
+#: the reference's, can put a stored value one FP8 / FP4 step apart (seen: a 1.2e-6 input
+#: difference moved one window-KV element by 6e-2, the log-probs by 4e-4), and an FP4 index
+#: key one step apart can change a later query's top-k entries (one log-prob 0.24 apart, four
+#: decode steps on). So rounded runs must give the same greedy tokens with nearly all log-probs
+#: within ROUNDED_TOL; without the rounding every log-prob agrees to UNROUNDED_TOL.
+ROUNDED_TOL, ROUNDED_SHARE, UNROUNDED_TOL = 3e-3, 0.9, 1e-4
+
+
+def _checkpoint(tmp_path_factory, rounded: bool) -> str:
     path = tmp_path_factory.mktemp("tiny_v41_prefill")
     # index_topk 8 < the entries of most prompts and 4 candidate blocks of 8 entries < the
     # ratio-1 entries of the long prompts (the candidate filter prunes); head_dim 64 keeps
     # the FP8 (32) / FP4 (16, 32) rounding blocks
     cfg = tiny_v41_config(vocab_size=VOCAB, sliding_window=WINDOW, index_topk=8, candidate_topk_blocks=4,
-                          simulate_kv_quant=True)
+                          simulate_kv_quant=rounded)
     write_tiny_checkpoint(str(path), seed=21, cfg=cfg)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """The checkpoint with V4.1's KV-cache rounding (FP8 window KV, FP4 shared KV / index keys)."""
+    return _checkpoint(tmp_path_factory, rounded=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt_unrounded(tmp_path_factory):
+    return _checkpoint(tmp_path_factory, rounded=False)
 
 
 PROMPTS = [[(5 * i + 11 * j) % VOCAB for j in range(n)] for i, n in enumerate((1, 7, 45, 97, 150))]
@@ -64,11 +83,18 @@ def _run(ckpt, monkeypatch, prefill, replay="off", tokens=6, prompts=PROMPTS, bu
     return llm, llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False), kinds
 
 
-def _same(ref, fast, tol=1e-4):
+def _same(ref, fast, tol=UNROUNDED_TOL, share=1.0):
+    """Equal greedy tokens, and at least ``share`` of the log-probs within ``tol``."""
+    close, total = 0, 0
     for a, b in zip(ref, fast):
         assert a.token_ids == b.token_ids
-        for x, y in zip(a.logprobs, b.logprobs):
-            assert math.isclose(x, y, rel_tol=tol, abs_tol=tol)
+        close += sum(math.isclose(x, y, rel_tol=tol, abs_tol=tol) for x, y in zip(a.logprobs, b.logprobs))
+        total += len(a.logprobs)
+    assert total and close >= share * total, f"{total - close} of {total} log-probs differ by more than {tol}"
+
+
+def _same_rounded(ref, fast):
+    _same(ref, fast, ROUNDED_TOL, ROUNDED_SHARE)
 
 
 @pytest.mark.parametrize("replay", ["off", "mask", "compact"])
@@ -82,6 +108,16 @@ def test_v41_prefill_and_mixed_steps_match_reference(ckpt, monkeypatch, replay):
     assert stats["prefill_rows"] >= sum(map(len, PROMPTS))
     if replay == "compact":  # the decoder layers ran on fewer rows than the prompts have
         assert 0 < stats["replayed_rows"] < stats["prefill_rows"]
+    _same_rounded(ref, fast)
+
+
+@pytest.mark.parametrize("replay", ["off", "compact"])
+def test_v41_prefill_and_mixed_steps_match_reference_unrounded(ckpt_unrounded, monkeypatch, replay):
+    """Without the KV-cache rounding no value sits near a rounding boundary: the executor's
+    log-probs all equal the reference's to 1e-4 (mixed steps)."""
+    _, ref, _ = _run(ckpt_unrounded, monkeypatch, "0", replay)
+    _, fast, kinds = _run(ckpt_unrounded, monkeypatch, "ref", replay)
+    assert any(chunk and dec for chunk, dec, _ in kinds)
     _same(ref, fast)
 
 
@@ -90,7 +126,7 @@ def test_v41_prefill_with_the_decode_path(ckpt, monkeypatch):
     _, ref, _ = _run(ckpt, monkeypatch, "0", "compact")
     llm, fast, _ = _run(ckpt, monkeypatch, "ref", "compact", decode="ref")
     assert llm.runner.fast.stats["fast_steps"] > 0
-    _same(ref, fast)
+    _same_rounded(ref, fast)
 
 
 @pytest.mark.parametrize("replay", ["off", "compact"])
@@ -105,7 +141,7 @@ def test_v41_prefill_after_prefix_cache_hits(ckpt, monkeypatch, replay):
         sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, top_logprobs=2)
         outs[prefill] = llm.generate(prompt_token_ids=later, sampling_params=sp, use_tqdm=False)
     assert any(k[2] for k in kinds), "no step started a prompt after a prefix-cache hit"
-    _same(outs["0"], outs["ref"])
+    _same_rounded(outs["0"], outs["ref"])
 
 
 def test_v41_prefill_triton_attention_kernels():
@@ -216,7 +252,10 @@ def test_v41_prefill_spec_forward_captures_like_reference(replay):
     from deepinfer.models.standalone import StandaloneRunner
     from deepinfer.models.tiny import init_random
 
-    cfg = tiny_v41_config(vocab_size=VOCAB, sliding_window=WINDOW, index_topk=8, candidate_topk_blocks=4)
+    # no KV-cache rounding: hidden states are compared to 5e-4, which one value landing a
+    # rounding step apart would exceed (the engine tests above cover the rounding)
+    cfg = tiny_v41_config(vocab_size=VOCAB, sliding_window=WINDOW, index_topk=8, candidate_topk_blocks=4,
+                          simulate_kv_quant=False)
     model = DeepseekV41Model(cfg).eval()
     init_random(model, 4)
     rc = ReplayConfig(replay, KEEP)
