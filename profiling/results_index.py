@@ -18,6 +18,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -89,11 +90,16 @@ def _commit_time(commit: str) -> int | None:
     return int(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip().isdigit() else None
 
 
-def _record(path: Path) -> dict:
+def _load(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _record(path: Path) -> dict:
+    data = _load(path)
     meta = data.get("meta", data) if isinstance(data, dict) else {}
     if not isinstance(meta, dict):
         return {}
@@ -103,15 +109,22 @@ def _record(path: Path) -> dict:
     return {"commit": str(meta.get("commit") or "")[:10], "hardware": str(hw)}
 
 
+def newest(files: list[Path], keep: Callable[[dict], bool] | None = None) -> Path | None:
+    """The file whose recorded commit is the newest in git history (unknown commits rank
+    below known ones, then by name), among those whose parsed JSON ``keep`` accepts."""
+    if keep is not None:
+        files = [p for p in files if keep(_load(p))]
+    if not files:
+        return None
+    times = {p: _commit_time(_record(p).get("commit", "")) for p in files}
+    return max(files, key=lambda p: (times[p] is not None, times[p] or 0, p.name))
+
+
 def current(bench: Bench) -> tuple[Path | None, int, dict]:
     """(current result file, number of result files, its commit / hardware)."""
     files = sorted({p for pat in bench.results for p in RESULTS.glob(pat)})
-    if not files:
-        return None, 0, {}
-    recs = {p: _record(p) for p in files}
-    times = {p: _commit_time(recs[p].get("commit", "")) for p in files}
-    best = max(files, key=lambda p: (times[p] is not None, times[p] or 0, p.name))
-    return best, len(files), recs[best]
+    best = newest(files)
+    return best, len(files), _record(best) if best else {}
 
 
 def render() -> str:

@@ -37,3 +37,24 @@ def test_current_results_exist_and_the_index_names_them() -> None:
             assert n == 0 and f"`{b.script}`" in text
             continue
         assert path.exists() and path.parent == idx.RESULTS and f"`results/{path.name}`" in text
+
+
+def test_newest_goes_by_commit_date_and_skips_runs_keep_refuses(tmp_path) -> None:
+    """The newest result is the one whose commit is newest in git history, not the last file
+    name in sort order; ``keep`` drops runs lacking what a reader needs (notebook 03 asks for
+    the newest compiled-engine run that recorded a kernel profile)."""
+    import json
+    import subprocess
+
+    idx = _index()
+    def rev(*args: str) -> str:
+        return subprocess.run(["git", "rev-list", *args], cwd=PROFILING, capture_output=True, text=True,
+                              check=True).stdout.split()[0][:10]
+
+    newer, older = rev("-1", "HEAD"), rev("--max-parents=0", "HEAD")  # HEAD and the first commit
+    a, b = tmp_path / f"run_{newer}.json", tmp_path / f"run_{older}zz.json"  # b sorts last by name
+    a.write_text(json.dumps({"commit": newer, "profile": None}))
+    b.write_text(json.dumps({"commit": older, "profile": [1]}))
+    assert idx.newest([a, b]) == a
+    assert idx.newest([a, b], keep=lambda r: bool(r.get("profile"))) == b
+    assert idx.newest([a], keep=lambda r: bool(r.get("profile"))) is None
