@@ -23,7 +23,7 @@ from deepinfer.models.v41.config import DeepseekV41Config
 from deepinfer.models.v41.engram import NgramHasher, engram_primes, engram_table_rows, is_prime
 from deepinfer.models.v41.model import DeepseekV41Model
 
-from v41_reference import dense_logits
+from v41_reference import dense_logits, unambiguous_tokens
 
 TOL = 2e-5
 
@@ -73,14 +73,14 @@ def test_prefill_matches_dense_reference(model_rng):
     vocab = model.cfg.vocab_size
     runner = StandaloneRunner(model, max_seqs=3, max_len=400, block_size=16)
     for seq_id, n in enumerate([1, 37, 301]):
-        t = toks(rng, n, vocab)
+        t = unambiguous_tokens(model, lambda: toks(rng, n, vocab))
         got = runner.step([(seq_id, t)])[0]
         assert rel_err(got, dense_logits(model, t)) < TOL, f"prefill of {n} tokens"
 
 
 def test_chunked_prefill_and_decode_match_dense_reference(model_rng):
     model, rng = model_rng
-    t = toks(rng, 260, model.cfg.vocab_size)
+    t = unambiguous_tokens(model, lambda: toks(rng, 260, model.cfg.vocab_size))
     want = dense_logits(model, t)
     runner = StandaloneRunner(model, max_seqs=1, max_len=400, block_size=16)
     chunk = rng.choice([3, 7, 31, 64])
@@ -92,13 +92,14 @@ def test_chunked_prefill_and_decode_match_dense_reference(model_rng):
 def test_batched_requests_match_one_at_a_time(model_rng):
     model, rng = model_rng
     vocab = model.cfg.vocab_size
-    seqs = [toks(rng, n, vocab) for n in (5, 90, 201, 33)]
+    seqs = [unambiguous_tokens(model, lambda n=n: toks(rng, n, vocab)) for n in (5, 90, 201, 33)]
     runner = StandaloneRunner(model, max_seqs=5, max_len=400, block_size=16)
     got = runner.step([(i, s) for i, s in enumerate(seqs)])
     for i, s in enumerate(seqs):
         assert rel_err(got[i], dense_logits(model, s)) < TOL, f"request {i}"
     # decodes of earlier requests mixed with a new prefill, as the engine batches
-    extra, new = toks(rng, 2, vocab), toks(rng, 50, vocab)
+    extra = unambiguous_tokens(model, lambda: toks(rng, 2, vocab), views=lambda e: [seqs[0] + e[:1], seqs[2] + e[1:]])
+    new = unambiguous_tokens(model, lambda: toks(rng, 50, vocab))
     got = runner.step([(0, [extra[0]]), (4, new), (2, [extra[1]])])
     assert rel_err(got[0][0], dense_logits(model, seqs[0] + extra[:1])[-1]) < TOL
     assert rel_err(got[1], dense_logits(model, new)) < TOL

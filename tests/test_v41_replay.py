@@ -15,7 +15,7 @@ from deepinfer.models.standalone import StandaloneRunner
 from deepinfer.models.tiny import init_random, tiny_v41_config
 from deepinfer.models.v41.model import DeepseekV41Model
 
-from v41_reference import dense_logits
+from v41_reference import dense_logits, unambiguous_tokens
 
 TOL = 2e-5
 WINDOW, KEEP = 16, 22  # keep >= window + 6
@@ -62,8 +62,8 @@ def test_prompt_no_longer_than_keep_equals_off_bitwise(model, n):
 @pytest.mark.parametrize("n", [KEEP + 1, 157, 301])
 def test_compact_equals_mask_equals_reference_on_long_prompts(model, n, fresh_seed):
     rng = random.Random(fresh_seed)
-    prompt = [rng.randrange(300) for _ in range(n)]
     cut = n - KEEP
+    prompt = unambiguous_tokens(model, lambda: [rng.randrange(300) for _ in range(n)], cuts=(0, cut))
     mask = prefill(runner(model, "mask"), 0, prompt)
     compact = prefill(runner(model, "compact"), 0, prompt)
     off = prefill(runner(model, "off"), 0, prompt)
@@ -95,7 +95,8 @@ def test_chunked_prefill_across_the_boundary_then_decode(model, chunk, fresh_see
 def test_batch_mixing_cuts_prefills_and_decodes(model, fresh_seed):
     rng = random.Random(fresh_seed)
     lens = [10, 150, KEEP, 90]
-    prompts = [[rng.randrange(300) for _ in range(n)] for n in lens]
+    prompts = [unambiguous_tokens(model, lambda n=n: [rng.randrange(300) for _ in range(n)], cuts=(max(0, n - KEEP),))
+               if i in (1, 3) else [rng.randrange(300) for _ in range(n)] for i, n in enumerate(lens)]
     results = {}
     for mode in ("mask", "compact"):
         r = runner(model, mode)

@@ -6,6 +6,13 @@ sub-batches. Every layer sees the whole sequence at once with explicit dense mas
 way transformers' DeepseekV41ForCausalLM computes a prefill. `cut` applies the
 bounded-replay visibility (`mask` semantics) to the decoder layers' window.
 KV-cache rounding is not simulated: compare models built with simulate_kv_quant=False.
+
+The indexer's top-k is a discrete choice over float32 sums that often sit at zero (relu
+zeroes many head scores, and weights of both signs can cancel what remains), so a sum that
+one op order makes -5e-8 and another exactly 0 can pick a different entry and move the
+logits by 1e-1: numerics, not a bug. ``ties`` (a list) collects, per index layer, the
+rows whose choice rests on such a near-tie, judged on float64 sums; tests draw another
+prompt instead of comparing those (`unambiguous_tokens`).
 """
 
 from __future__ import annotations
@@ -41,6 +48,44 @@ def _expand(out, streams, post, comb):
     return (post[:, :, None] * out.float()[:, None, :] + mixed).to(streams.dtype)
 
 
+#: a selected and an unselected score closer than this (relative to the row's largest) and
+#: not exactly equal is a near-tie: float32 op order may swap them
+NEAR_TIE_REL = 1e-6
+
+
+def _near_tie_rows(scores64: torch.Tensor, k: int) -> list[int]:
+    """Rows of ``scores64`` [t, g] (float64, -inf = unavailable) whose top-``k`` boundary
+    has an unselected score within NEAR_TIE_REL of the k-th that is not exactly equal to it
+    (exact ties, e.g. relu's zeros, break by entry id on every path)."""
+    rows = []
+    order = torch.sort(scores64, dim=-1, descending=True, stable=True).values
+    for row in range(scores64.shape[0]):
+        vals = order[row][order[row] > float("-inf")]
+        if len(vals) <= k:
+            continue
+        eps = NEAR_TIE_REL * float(vals.abs().max())
+        kth, rest = vals[k - 1], vals[k:]
+        near = rest[(kth - rest) <= eps]
+        if len(near) and not bool((near == kth).all() and (vals[:k][(vals[:k] - kth) <= eps] == kth).all()):
+            rows.append(row)
+    return rows
+
+
+def unambiguous_tokens(model, draw, cuts: tuple[int, ...] = (0,), tries: int = 20, views=None) -> list[int]:
+    """The first of ``draw()``'s token lists whose dense reference (at each replay cut of
+    ``cuts``; of each sequence ``views(tokens)`` makes of them, default the list itself) makes
+    no near-tie choice (see the module doc); fails after ``tries`` draws."""
+    for _ in range(tries):
+        tokens = draw()
+        ties: list = []
+        for seq in (views(tokens) if views else [tokens]):
+            for cut in cuts:
+                dense_logits(model, seq, cut=cut, ties=ties)
+        if not ties:
+            return tokens
+    raise AssertionError(f"{tries} prompts in a row hit an indexer near-tie")
+
+
 def _candidates(scores, lens, topk_blocks, block):
     t, g = scores.shape
     nb = -(-g // block)
@@ -58,7 +103,7 @@ def _candidates(scores, lens, topk_blocks, block):
 
 
 @torch.no_grad()
-def dense_logits(model, tokens: list[int], cut: int = 0) -> torch.Tensor:
+def dense_logits(model, tokens: list[int], cut: int = 0, ties: list | None = None) -> torch.Tensor:
     cfg = model.cfg
     t, w, hc = len(tokens), cfg.sliding_window, cfg.hc_mult
     ids = torch.tensor(tokens)
@@ -117,10 +162,22 @@ def dense_logits(model, tokens: list[int], cut: int = 0) -> torch.Tensor:
                 wts = ix.weights_proj(x).float() * ix.n_heads ** -0.5
                 s = (sc * wts[:, :, None]).sum(1).masked_fill(~reach, float("-inf"))
                 c = cfg.candidate_source_layer_id
+                if ties is not None:  # the same sums in float64, for the near-tie check
+                    sc64 = torch.relu(torch.einsum("thd,gd->thg", qi.double(), index_keys[src].double()))
+                    s64 = (sc64 * ix.dim ** -0.5 * wts.double()[:, :, None]).sum(1).masked_fill(~reach, float("-inf"))
+                    if i == c:
+                        bs = cfg.candidate_block_size
+                        nb = -(-g // bs)
+                        blocks = F.pad(s64, (0, nb * bs - g), value=float("-inf")).view(t, nb, bs).amax(-1)
+                        ties += [(i, "blocks", row) for row in _near_tie_rows(blocks, cfg.candidate_topk_blocks)]
                 if i == c:
                     cand = _candidates(s, lens, cfg.candidate_topk_blocks, cfg.candidate_block_size)
                 elif 0 <= c < i and cand is not None:
                     s = s.masked_fill(~cand, float("-inf"))
+                    if ties is not None:
+                        s64 = s64.masked_fill(~cand, float("-inf"))
+                if ties is not None:
+                    ties += [(i, "entries", row) for row in _near_tie_rows(s64, cfg.index_topk)]
                 sel = torch.zeros(t, g, dtype=torch.bool)
                 order = torch.sort(s, dim=-1, descending=True, stable=True)
                 k = min(cfg.index_topk, g)
