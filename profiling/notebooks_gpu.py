@@ -50,6 +50,20 @@ def params_for(stem: str, ckpt: str, gpus: int, smoke: bool = False) -> dict:
     return {}  # 04: no parameters cell
 
 
+def write_record(out: Path, dev: torch.device, gpus: int, ckpt: str, results: list[dict]) -> str:
+    """Write the run's JSON (commit, hardware, per-notebook results so far, targets); its name."""
+    commit, dirty = git_commit()
+    targets = [{"name": f"{r['notebook']} runs top to bottom (asserts included)", "value": int(r["ok"]),
+                "target": 1, "met": r["ok"]} for r in results]
+    targets += [{"name": f"{r['notebook']} engine on the compiled path", "value": int(bool(r["compiled_path"])),
+                 "target": 1, "met": bool(r["compiled_path"])} for r in results if r["compiled_path"] is not None]
+    record = {"commit": commit, "dirty": dirty, "hardware": device_name(dev), "host": hardware_name(),
+              "num_gpus": gpus, "torch": torch.__version__, "ckpt": ckpt, "notebooks": results, "targets": targets}
+    name = f"notebooks_gpu_{device_name(dev).lower().replace(' ', '_')}_{commit[:7]}.json"
+    (out / name).write_text(json.dumps(record, indent=1))
+    return name
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "artifacts" / "notebooks_gpu"))
@@ -76,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = [p for p in sorted((REPO / "notebooks").glob("0[1-8]_*.ipynb")) if not only or p.name[:2] in only]
     gpus = torch.cuda.device_count()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    results = []
+    results: list[dict] = []
+    name = write_record(out, dev, gpus, args.ckpt, results)
     for path in paths:
         params = params_for(path.stem, args.ckpt, gpus, smoke=args.cpu_smoke)
         t0 = time.perf_counter()
@@ -89,15 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                         "compiled_path": None if compiled is None else compiled.group(1) == "True",
                         "error": run.error})
         print(f"{path.stem}: {'ok' if run.ok else 'FAILED'} in {results[-1]['wall_s']} s", flush=True)
-    commit, dirty = git_commit()
-    targets = [{"name": f"{r['notebook']} runs top to bottom (asserts included)", "value": int(r["ok"]),
-                "target": 1, "met": r["ok"]} for r in results]
-    targets += [{"name": f"{r['notebook']} engine on the compiled path", "value": int(bool(r["compiled_path"])),
-                 "target": 1, "met": bool(r["compiled_path"])} for r in results if r["compiled_path"] is not None]
-    record = {"commit": commit, "dirty": dirty, "hardware": device_name(dev), "host": hardware_name(),
-              "num_gpus": gpus, "torch": torch.__version__, "ckpt": args.ckpt, "notebooks": results, "targets": targets}
-    name = f"notebooks_gpu_{device_name(dev).lower().replace(' ', '_')}_{commit[:7]}.json"
-    (out / name).write_text(json.dumps(record, indent=1))
+        name = write_record(out, dev, gpus, args.ckpt, results)  # after each: a killed run keeps what finished
     print(f"\n{'notebook':28} {'ok':>4} {'wall s':>8} compiled")
     for r in results:
         print(f"{r['notebook']:28} {str(r['ok']):>4} {r['wall_s']:8.1f} {r['compiled_path']}")
