@@ -112,7 +112,7 @@ def decode_graph_memory(model: torch.nn.Module, config: EngineConfig,
 def worst_case_step(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> torch.Tensor:
     """Run the profiled step (see the module doc) over a throwaway cache on ``device``;
     returns its log-probs [max_num_seqs, vocab]. Nothing it allocates outlives it."""
-    from deepinfer.models.fast.prefill import PrefillPath
+    from deepinfer.models.v4.fast.prefill import PrefillPath
 
     mcfg = model.cfg
     tokens = max(1, min(config.max_num_batched_tokens, config.max_model_len))

@@ -39,7 +39,7 @@ import numpy as np
 
 from deepinfer import batch_invariant
 from deepinfer.engine import rng
-from deepinfer.models.fast.draft_dspark import N_COLS, block_rows, sample_block, stages_hidden_v4
+from deepinfer.models.fast.draft_dspark import N_COLS, block_rows, sample_block
 from deepinfer.models.fast.draft_dspark import device_rotary, unpack_block
 from deepinfer.models.fast.draft_graphs import DraftGraphs, FeatureGraphs
 from deepinfer.models.fast.forward import blocks_supported
@@ -47,6 +47,7 @@ from deepinfer.models.paged_batch import paged_slots
 from deepinfer.models.registry import family_of
 from deepinfer.models.v4.dspark import NO_POSITION
 from deepinfer.models.v4.kv_cache import GROUP_SWA, KVCache
+from deepinfer.models.v4.fast.draft import stages_hidden_v4
 from deepinfer.models.v41.fast.draft import stages_hidden_v41
 
 from .drafter import Draft, DraftContext, Drafter
@@ -178,7 +179,7 @@ class DSparkDrafter(Drafter):
 
     def _draft_logits_fast(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ctx_pos: torch.Tensor,
                            R: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`draft_logits` through the fused mHC / MoE kernels (`fast/draft_dspark.py`): each
+        """`draft_logits` through the fused mHC / MoE kernels (`models/v4/fast/draft.py`): each
         stage one `run_block` with the stage's dense block attention as its attention sublayer."""
         h = stages_hidden_v4(self.model, self.stages, self.fast_ops, ids, pos, self.gamma,
                              self._context_kvs(slots), ctx_pos)

@@ -21,8 +21,8 @@ from deepinfer.engine.transfer import to_device
 from deepinfer.models.bounded_replay import replay_free
 from deepinfer.models.fast.decode_graphs import BUCKETS
 from deepinfer.models.fast.verify_graphs import VerifyGraphs, verify_row_buckets, verify_shapes
-from deepinfer.models.fast.prefill import PrefillPath
-from deepinfer.models.fast.verify_prefill import SpecForward, SpecPrefill
+from deepinfer.models.v4.fast.prefill import PrefillPath
+from deepinfer.models.v4.fast.verify_prefill import SpecForward, SpecPrefill
 from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, phase
 
 from .drafter import Draft, DraftContext, Drafter

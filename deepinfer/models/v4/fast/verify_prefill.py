@@ -4,7 +4,7 @@ in batch-invariant mode.
 With speculation on, every step goes through the spec runner (deepinfer/spec/runner.py):
 a verify step's rows need the drafter's captured layer inputs and the final streams
 besides the logits. Decode-like steps (each request a token and its drafts) replay the
-verify graphs (:mod:`verify_graphs`); this module runs the others on the prefill path
+verify graphs (models/fast/verify_graphs.py); this module runs the others on the prefill path
 (``PrefillPath``: batched attention, compressors and indexer, fused mHC / MoE), with the
 drafter's layers captured.
 
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from ..mhc import hc_post
-from ..paged_batch import ForwardBatch
-from .forward import head_hidden, head_logits, run_layers
+from ...fast.forward import head_hidden, head_logits, run_layers
+from ...mhc import hc_post
+from ...paged_batch import ForwardBatch
 from .invariant_prefill import attention_prefill_invariant
 from .prefill_attention import attention_prefill
 
