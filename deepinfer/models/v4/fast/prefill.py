@@ -23,11 +23,13 @@ from ...fast.forward import run_layers
 from ...fast.moe import supported as moe_supported
 from ...fast.prefill import select_prefill_ops
 from ...fast.prefill_meta import PrefillMeta, build_prefill_meta
+from ...fast.verify_graphs import SpecForward
 from ...mhc import hc_post
 from ...moe import MoE
 from ...paged_batch import ForwardBatch
 from ..kv_cache import KVCache
 from .prefill_attention import attention_prefill
+from .verify_prefill import SpecPrefill
 
 
 class PrefillPath:
@@ -39,6 +41,7 @@ class PrefillPath:
         self.model, self.cache, self.ops = model, cache, ops
         self.groups = [g for g in ("swa", "csa", "hca") if g in cache.num_blocks]
         self.stats = {"prefill_steps": 0, "prefill_rows": 0}
+        self.spec = SpecPrefill(self)  # speculative steps on this path (spec_forward)
 
     @classmethod
     def create(cls, model: Any, cache: KVCache) -> PrefillPath | None:
@@ -65,6 +68,15 @@ class PrefillPath:
         from .invariant_prefill import prefill_logits
 
         return prefill_logits(self.model, self.cache, batch.input_ids, meta, rows)
+
+    def spec_forward(self, batch: ForwardBatch, layers: tuple[int, ...], invariant: bool) -> SpecForward | None:
+        """A speculative step's prompt / mixed chunk, or any speculative step in batch-invariant
+        mode (v4/fast/verify_prefill.py), with the drafter's ``layers`` captured; None when this
+        path does not run it (the reference path does). A bounded-replay batch is left to the
+        reference path: this path computes every row (the engine admits no replay for V4)."""
+        if batch.replay is not None:
+            return None
+        return self.spec.forward(batch, layers, invariant)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, meta: PrefillMeta, rows: torch.Tensor | None = None) -> torch.Tensor:
