@@ -29,7 +29,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from deepinfer.models.default_model import resolve_model  # noqa: E402
-from deepinfer.models.fast.prefill import PrefillPath, prefill_ops  # noqa: E402
+from deepinfer.models.fast.prefill import prefill_ops  # noqa: E402
+from deepinfer.models.v4.fast.prefill import PrefillPath  # noqa: E402
 from deepinfer.models.loader import load_model  # noqa: E402
 from deepinfer.models.paged_batch import ForwardBatch, SeqMeta  # noqa: E402
 from deepinfer.models.standalone import StandaloneRunner  # noqa: E402

@@ -74,13 +74,14 @@ def check_layers(model, steps: int, lens: tuple) -> dict:
 
 
 def check_prefill(model, lens: tuple) -> dict:
-    """The batched prefill path (deepinfer/models/fast/prefill.py) vs the reference path on one
+    """The batched prefill path (deepinfer/models/v4/fast/prefill.py) vs the reference path on one
     prefill step of fresh requests, each over its own cache: per request the rel err of the
     final streams (all rows, and the worst row with its position) and of the last row's logits.
     Lengths past a compressed window (e.g. 129 > 128) put rows behind a closed HCA entry."""
     import torch
 
-    from deepinfer.models.fast.prefill import PrefillPath, prefill_ops
+    from deepinfer.models.fast.prefill import prefill_ops
+    from deepinfer.models.v4.fast.prefill import PrefillPath
     from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
     from deepinfer.models.standalone import StandaloneRunner
 

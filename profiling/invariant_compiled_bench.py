@@ -1,6 +1,7 @@
 """Issue 23's batch-invariant target on one GPU: V4 `mini` (random bf16 weights) through
 `LLM.generate`, the default engine and the batch-invariant engine (compiled executor:
-decode graphs + prefill path in the mode, deepinfer/models/fast/invariant*.py) in one run.
+decode graphs + prefill path in the mode, deepinfer/models/fast/invariant.py,
+models/v4/fast/invariant_prefill.py) in one run.
 
 Correctness first (invariant engine): one greedy and one seeded sampled request, alone
 and among 6 and 63 other requests (chunked prefill through a 512-token budget, so its

@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "profiling/results"))
     args = ap.parse_args()
     t0 = time.time()
-    shipped = dict(block_h=32, block_n=32)  # deepinfer/models/fast/prefill_attention.py's launch
+    shipped = dict(block_h=32, block_n=32)  # deepinfer/models/v4/fast/prefill_attention.py's launch
     cands = [shipped] + [dict(block_h=bh, block_n=bn, warps=w, stages=st, block_t=bt)
                          for bh, bt in ((32, 1), (64, 1), (32, 2)) for bn in (32, 64) for w in (4, 8)
                          for st in (2, 3)]

@@ -1,4 +1,4 @@
-"""Prefill fast path (deepinfer/models/fast/prefill*.py) against the reference path, and its
+"""Prefill fast path (deepinfer/models/v4/fast/prefill*.py) against the reference path, and its
 speed, for `mini` (REFERENCE.md section 5, random weights) in bf16 and with FP8 e4m3
 128x128 block-scaled weights (+ FP4 routed experts, the official V4 layout), one GPU call.
 

@@ -36,7 +36,7 @@ from deepinfer.models.tiny import flash4_config, mini_config  # noqa: E402
 
 #: model parts, each a (module, function) wrapped in a record_function range of that name
 PARTS = {
-    "attention": ("deepinfer.models.fast.prefill", "attention_prefill"),
+    "attention": ("deepinfer.models.v4.fast.prefill", "attention_prefill"),
     "moe": ("deepinfer.models.fast.forward", "moe_forward"),
 }
 
@@ -68,7 +68,7 @@ def instrument(llm) -> None:
 
 def _attention_subparts() -> None:
     """Finer ranges inside attention: the projections and the compressors."""
-    from deepinfer.models.fast import prefill_attention as pa
+    from deepinfer.models.v4.fast import prefill_attention as pa
 
     pa.attention_inputs = _ranged("attn.projections", pa.attention_inputs)
     pa.compress_prefill = _ranged("attn.compressor", pa.compress_prefill)

@@ -1,4 +1,4 @@
-"""Prefill fast path (deepinfer/models/fast/prefill*.py) on CPU: prefill and mixed steps run
+"""Prefill fast path (deepinfer/models/v4/fast/prefill*.py) on CPU: prefill and mixed steps run
 batched over all requests with the kernels' torch references (DEEPINFER_FAST_PREFILL=ref)
 or the interpreted kernels (=triton) and must give the reference path's greedy tokens
 and log-probs on a tiny model: whole prompts, chunked prefill with chunk boundaries
@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.errors import ConfigError  # noqa: E402
-from deepinfer.models.fast.prefill import PrefillPath  # noqa: E402
+from deepinfer.models.v4.fast.prefill import PrefillPath  # noqa: E402
 from deepinfer.models.tiny import tiny_config, write_tiny_checkpoint  # noqa: E402
 
 VOCAB = 512

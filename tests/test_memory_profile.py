@@ -23,7 +23,7 @@ def test_worst_case_step_runs_on_the_engines_prefill_path(monkeypatch, fast_pref
     init_random(model, 3)
     cfg = EngineConfig(max_num_batched_tokens=300, max_model_len=256, max_num_seqs=5, block_size=128)
     calls = []
-    from deepinfer.models.fast import prefill as prefill_mod
+    from deepinfer.models.v4.fast import prefill as prefill_mod
 
     original = prefill_mod.PrefillPath.forward
     monkeypatch.setattr(prefill_mod.PrefillPath, "forward", lambda self, *a: calls.append(a) or original(self, *a))

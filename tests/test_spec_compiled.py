@@ -136,7 +136,7 @@ def reference(ckpt):
 def test_verify_graphs_warmed_sealed_and_equal_to_no_speculation(ckpt, reference, monkeypatch, ops, k, varlen,
                                                                  prefill):
     """``prefill="ref"``: the prompt / mixed steps run the compiled prefill path too
-    (verify_prefill.SpecPrefill, the drafter's layers captured there)."""
+    (v4/fast/verify_prefill.py's SpecPrefill via PrefillPath.spec_forward, the drafter's layers captured there)."""
     monkeypatch.setenv("DEEPINFER_FASTPATH", ops)
     monkeypatch.setenv("DEEPINFER_FAST_PREFILL", prefill)
     monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
@@ -154,7 +154,8 @@ def test_verify_graphs_warmed_sealed_and_equal_to_no_speculation(ckpt, reference
     replayed = {key[1] for key in fast.graphs.replays if key[0] == "verify"}
     assert any(rows > 1 for rows in replayed)
     assert spec.metrics.verify_tokens_per_step > 1.0
-    assert (spec._prefill is not None and spec._prefill.counts["steps"] > 0) == (prefill == "ref")
+    path = llm.runner.fast_prefill
+    assert (path is not None and path.spec.counts["steps"] > 0) == (prefill == "ref")
 
 
 def _kv_rows(llm, req, n: int) -> dict[str, torch.Tensor]:
@@ -249,7 +250,7 @@ def test_invariant_mode_speculative_greedy_equals_off_bitwise(ckpt, monkeypatch)
     lp = [[float(x) for x in o.logprobs] if o.logprobs is not None else None for o in outs]
     assert spec.metrics.mean_accepted_length > 0.5  # verify rows really emitted tokens
     assert lp == [[float(x) for x in o.logprobs] if o.logprobs is not None else None for o in base]
-    assert spec._prefill is not None and spec._prefill.counts["invariant_steps"] > 0
+    assert llm.runner.fast_prefill.spec.counts["invariant_steps"] > 0
     assert spec._verify is None or spec._verify.counts["steps"] == 0  # no default-mode verify graph in the mode
 
 

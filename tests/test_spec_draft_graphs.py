@@ -1,4 +1,4 @@
-"""The graphed DSpark draft step (fast/draft_graphs.py, fast/draft_dspark.py) on the host:
+"""The graphed DSpark draft step (fast/draft_graphs.py, fast/draft_dspark.py, v4/fast/draft.py) on the host:
 the fast path forced with the kernels' torch references, graphs emulated on the padded
 bucket buffers. Every draft step of a real generation is also run by the eager drafter
 (the fused-kernel pass and the reference modules): same draft tokens, same confidences

@@ -112,7 +112,10 @@ def decode_graph_memory(model: torch.nn.Module, config: EngineConfig,
 def worst_case_step(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> torch.Tensor:
     """Run the profiled step (see the module doc) over a throwaway cache on ``device``;
     returns its log-probs [max_num_seqs, vocab]. Nothing it allocates outlives it."""
-    from deepinfer.models.fast.prefill import PrefillPath
+    # V4's prefill path by name: its create() is None for V4.1, whose step is profiled on the
+    # reference path; family.prefill_executor would move V4.1 onto its own executor here (a change
+    # of what V4.1 engines measure, not part of the family split)
+    from deepinfer.models.v4.fast.prefill import PrefillPath
 
     mcfg = model.cfg
     tokens = max(1, min(config.max_num_batched_tokens, config.max_model_len))

@@ -68,7 +68,8 @@ class ModelRunner:
         #: GPU fast path (deepinfer/models/fast): batched pure-decode steps + CUDA graphs; None = reference
         family = family_of(model.cfg)  # the family's compiled executors, chosen once
         self.fast = family.decode_executor(model, cache) if family.decode_executor else None
-        #: GPU fast path of prefill / mixed steps (deepinfer/models/fast/prefill.py); None = reference
+        #: GPU fast path of prefill / mixed steps (the family's prefill_executor: V4's
+        #: models/v4/fast/prefill.py, V4.1's models/v41/fast/prefill.py); None = reference
         self.fast_prefill = family.prefill_executor(model, cache) if family.prefill_executor else None
         #: async scheduling (deepinfer/engine/token_buffer.py): placeholder inputs gathered on the device
         self.token_buffer: DeviceTokenBuffer | None = None

@@ -57,7 +57,10 @@ def _step(kind: tuple[tuple[int, int, bool], ...], block_size: int, groups: list
 def warm_prefill_kinds(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> int:
     """Run every kind of :func:`step_kinds` once on the engine's prefill path (when it has
     a compiled one) over a throwaway cache; returns how many ran (0: nothing to compile)."""
-    from deepinfer.models.fast.prefill import PrefillPath
+    # V4's prefill path by name: V4.1 gets None from its create() and warms nothing here;
+    # family.prefill_executor would start warming V4.1's executor (a behaviour change, not part
+    # of the family split)
+    from deepinfer.models.v4.fast.prefill import PrefillPath
 
     if config.batch_invariant or family_of(model.cfg).prefill_executor is None:
         return 0

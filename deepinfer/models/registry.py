@@ -75,6 +75,11 @@ class ModelFamily:
     prefill_executor: Callable[[Any, Any], Any] | None = None
     #: () -> the family's batched decode forward (fast/runner.py DecodeProgram), loaded lazily
     decode_program: Callable[[], Any] | None = None
+    #: () -> the DSpark stages' pass over draft blocks on the compiled executor's kernels, loaded
+    #: lazily: (model, stages, ops, ids, positions, gamma, ctx_kvs, ctx_pos, rotary) -> the normed
+    #: hidden [R * gamma, D] (deepinfer/spec/dspark_drafter.py's graphed and fused drafting);
+    #: None: the family's DSpark drafter stays on its reference pass
+    dspark_stages_hidden: Callable[[], Callable[..., "torch.Tensor"]] | None = None
 
     @property
     def model_types(self) -> tuple[str, ...]:

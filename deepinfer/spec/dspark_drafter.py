@@ -39,7 +39,7 @@ import numpy as np
 
 from deepinfer import batch_invariant
 from deepinfer.engine import rng
-from deepinfer.models.fast.draft_dspark import N_COLS, block_rows, sample_block, stages_hidden_v4
+from deepinfer.models.fast.draft_dspark import N_COLS, block_rows, sample_block
 from deepinfer.models.fast.draft_dspark import device_rotary, unpack_block
 from deepinfer.models.fast.draft_graphs import DraftGraphs, FeatureGraphs
 from deepinfer.models.fast.forward import blocks_supported
@@ -47,7 +47,6 @@ from deepinfer.models.paged_batch import paged_slots
 from deepinfer.models.registry import family_of
 from deepinfer.models.v4.dspark import NO_POSITION
 from deepinfer.models.v4.kv_cache import GROUP_SWA, KVCache
-from deepinfer.models.v41.fast.draft import stages_hidden_v41
 
 from .drafter import Draft, DraftContext, Drafter
 from .verify import sample_draft
@@ -173,15 +172,18 @@ class DSparkDrafter(Drafter):
         """The stages run on the GPU fast path's fused kernels (mHC, MoE) when the runner
         has one and the family's stages fit them (V4.1's shifted hyper-connections do not);
         batch-invariant mode keeps the reference modules."""
-        return (self.fast_ops is not None and self.family.dspark_fused_stages and not batch_invariant.enabled()
+        return (self.fast_ops is not None and self.family.dspark_fused_stages
+                and self.family.dspark_stages_hidden is not None and not batch_invariant.enabled()
                 and blocks_supported(self.stages))
 
     def _draft_logits_fast(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ctx_pos: torch.Tensor,
                            R: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`draft_logits` through the fused mHC / MoE kernels (`fast/draft_dspark.py`): each
-        stage one `run_block` with the stage's dense block attention as its attention sublayer."""
-        h = stages_hidden_v4(self.model, self.stages, self.fast_ops, ids, pos, self.gamma,
-                             self._context_kvs(slots), ctx_pos)
+        """`draft_logits` through the fused mHC / MoE kernels: the family's compiled pass of the
+        stages (``ModelFamily.dspark_stages_hidden``; V4: each stage one `run_block` with the
+        stage's dense block attention as its attention sublayer, `models/v4/fast/draft.py`)."""
+        stages_hidden = self.family.dspark_stages_hidden()
+        h = stages_hidden(self.model, self.stages, self.fast_ops, ids, pos, self.gamma, self._context_kvs(slots),
+                          ctx_pos)
         logits = self.model.head(h).float()
         return logits.view(R, self.gamma, -1), h.view(R, self.gamma, -1)
 
@@ -194,14 +196,16 @@ class DSparkDrafter(Drafter):
     def prepare_graphs(self, max_num_seqs: int, enabled: bool = True) -> bool:
         """Capture the draft step's graphs (one per batch bucket up to ``max_num_seqs`` and
         sampling mode, `fast/draft_graphs.py`) when the runner has the fast path's ops, the
-        stages fit the fused MoE and batch-invariant mode is off; ``enabled`` False (CUDA
+        stages fit the fused MoE, the family has a compiled pass of its stages
+        (``ModelFamily.dspark_stages_hidden``) and batch-invariant mode is off; ``enabled`` False (CUDA
         graphs off) keeps the eager drafter. Returns whether the graphed drafter is on."""
         self.graphs = self.feature_graphs = None
-        if not enabled or self.fast_ops is None or batch_invariant.enabled() or not blocks_supported(self.stages):
+        if (not enabled or self.fast_ops is None or batch_invariant.enabled() or not blocks_supported(self.stages)
+                or self.family.dspark_stages_hidden is None):
             return False
         self._n_graph = min(self.k, self.gamma)
         self._rotary = device_rotary(self.model.rotary_main, self.model.embed.weight.device)
-        hidden = stages_hidden_v4 if self.family.dspark_fused_stages else stages_hidden_v41
+        hidden = self.family.dspark_stages_hidden()  # the family's compiled pass of its stages
         cols = N_COLS + self.cfg.sliding_window - 1
         graphs = DraftGraphs(lambda inp, greedy_only: self._graph_body(hidden, inp, greedy_only), cols,
                              max_num_seqs, self.model.embed.weight.device)

@@ -21,8 +21,7 @@ from deepinfer.engine.transfer import to_device
 from deepinfer.models.bounded_replay import replay_free
 from deepinfer.models.fast.decode_graphs import BUCKETS
 from deepinfer.models.fast.verify_graphs import VerifyGraphs, verify_row_buckets, verify_shapes
-from deepinfer.models.fast.prefill import PrefillPath
-from deepinfer.models.fast.verify_prefill import SpecForward, SpecPrefill
+from deepinfer.models.fast.verify_graphs import SpecForward
 from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, phase
 
 from .drafter import Draft, DraftContext, Drafter
@@ -64,7 +63,6 @@ class SpecDecoder:
         #: is verified depend on draft j itself (c_{j+1} reads x_j): not lossless.
         self.older_confidences: list[list[float]] | None = None
         self._verify = None  # VerifyGraphs once built (verify_executor)
-        self._prefill = None  # SpecPrefill once a step needed it
 
     # ------------------------------------------------------------ compiled verify
     def verify_executor(self, runner, max_num_seqs: int = BUCKETS[-1]):
@@ -80,7 +78,7 @@ class SpecDecoder:
         path's graph set: nothing is captured while serving (the drafter's graphs have a pool
         of their own, captured by ``spec.setup``). Returns the number of graphs captured (0
         off the fast path, without graphs, or in batch-invariant mode, whose speculative
-        steps run the mode's prefill rows: `verify_prefill.SpecPrefill`)."""
+        steps run the mode's prefill rows: the prefill executor's ``spec_forward``)."""
         fast = runner.fast
         verify = self.verify_executor(runner, max_num_seqs)
         if verify is None or not fast.warms_up() or runner.batch_invariant:
@@ -104,13 +102,10 @@ class SpecDecoder:
             streams = verify.forward(so, batch, hidden if layers else None) if verify is not None else None
             if streams is not None:
                 return streams, hidden, lambda rows: model.compute_logits(streams[rows])
-        path, out = runner.fast_prefill, None
-        if hasattr(path, "spec_forward"):  # a family's own (V4.1: PrefillPathV41, bounded replay included)
-            out = path.spec_forward(batch, layers, invariant)
-        elif isinstance(path, PrefillPath) and runner.replay is None:  # V4's prefill path
-            if self._prefill is None:
-                self._prefill = SpecPrefill(path)
-            out = self._prefill.forward(batch, layers, invariant)
+        # the family's prefill executor (V4.1's includes bounded replay); without one, or one
+        # without speculative steps, the reference path below runs the step
+        spec_forward = getattr(runner.fast_prefill, "spec_forward", None)
+        out = spec_forward(batch, layers, invariant) if spec_forward is not None else None
         if out is not None:
             return out
         streams, hidden = forward_capture(model, batch, runner.cache, layers)

@@ -4,11 +4,9 @@ the sequential sampling of the block, as device work with no host read (CUDA-gra
 Same math as ``DSparkDrafter.draft_logits`` + ``DSparkDrafter.draft``
 (`deepinfer/spec/dspark_drafter.py`), on the fast path's kernels:
 
-* V4 stages (:func:`stages_hidden_v4`): each stage one :func:`run_block` (fused mHC, the
-  fused MoE) with the stage's dense block attention as its attention sublayer, the last
-  stage's ``hc_head`` + output norm fused with its last ``hc_post``;
-* V4.1 stages: `deepinfer/models/v41/fast/draft.py` (``stages_hidden_v41``, shifted
-  hyper-connections);
+* the stages' block pass is the family's (``ModelFamily.dspark_stages_hidden``): V4's in
+  `deepinfer/models/v4/fast/draft.py` (fused mHC, the fused MoE), V4.1's in
+  `deepinfer/models/v41/fast/draft.py` (shifted hyper-connections);
 * :func:`sample_block`: for j < n, ``d_{j+1} ~ logits_j + W2 W1[x_j]`` with the request's
   settings and the DRAFT stream at position ``p + 2 + j``, ``c_{j+1} = sigmoid(w . [h_j ;
   W1[x_j]] / T_j)``; every draw stays on the device (``sample`` is the spec runner's
@@ -31,7 +29,6 @@ from deepinfer.engine.sampler import SamplingTensors
 from ..rope import Rotary
 from ..v4.dspark import NO_POSITION
 from .decode import _inv_freq
-from .forward import head_hidden, run_block
 
 #: Per-request columns of a draft step's input tensor, before the context slots.
 INPUT_COLUMNS = ("last_token", "last_pos", "seed", "greedy", "temperature_bits")
@@ -60,22 +57,6 @@ def device_rotary(rotary: Rotary, device: torch.device) -> Rotary:
     out = copy.copy(rotary)
     out.inv_freq = _inv_freq(rotary, device)
     return out
-
-
-def stages_hidden_v4(model: Any, stages: list, ops: Any, ids: torch.Tensor, pos: torch.Tensor, gamma: int,
-                     ctx_kvs: list[torch.Tensor], ctx_pos: torch.Tensor, rotary: Rotary | None = None
-                     ) -> torch.Tensor:
-    """V4 stages over R blocks with fused mHC / MoE -> the normed hidden [R * gamma, D]
-    (``rotary``: the model's main rope, on the device inside a graph)."""
-    rotary = rotary or model.rotary_main
-    streams = model.embed(ids).unsqueeze(1).expand(-1, model.cfg.hc_mult, -1)
-    prev = None
-    for stage, ctx_kv in zip(stages, ctx_kvs):
-        def attention(attn, x, stage=stage, ctx_kv=ctx_kv):
-            return stage._block_attention(x, pos, gamma, ctx_kv, ctx_pos, rotary)
-
-        streams, prev = run_block(stage, streams, prev, ids, ops, attention)
-    return head_hidden(stages[-1], ops, streams, prev)
 
 
 def block_sampling(inp: torch.Tensor, j: int, greedy_only: bool) -> SamplingTensors:
@@ -120,4 +101,4 @@ def unpack_block(packed: list[list[int]], n: int) -> tuple[list[list[int]], list
 
 
 __all__ = ["INPUT_COLUMNS", "N_COLS", "block_rows", "block_sampling", "device_rotary", "sample_block",
-           "stages_hidden_v4", "stages_hidden_v41", "unpack_block"]
+           "unpack_block"]

@@ -1,15 +1,16 @@
-"""The whole model for a pure-decode step on the fast path: embedding -> layers -> head,
-with mHC fused (``deepinfer_kernels.mhc``).
+"""The fused-mHC blocks of the fast path: a layer, an MTP or a DSpark stage with the
+standard hyper-connections (models/mhc.py) as ``deepinfer_kernels.mhc`` launches around its
+attention sublayer and the fused MoE, the stages' own head, the LM head and whether a set of
+blocks fits the fused MoE. The per-layer launch structure is:
 
-Same math as ``DeepseekV4Model.forward`` + ``compute_logits``; the launch structure per
-layer is:
-
-    hc_pre/hc_post_pre (attn)  -> attention_decode -> hc_post_pre (ffn) -> moe_forward
+    hc_pre/hc_post_pre (attn)  -> attention(block.attn, x) -> hc_post_pre (ffn) -> moe_forward
 
 where ``hc_post_pre`` applies the previous sublayer's ``hc_post`` and the next
-sublayer's ``hc_pre`` + input RMSNorm in one pass (two launches), and the last layer's
-``hc_post`` goes into ``hc_head`` + the final norm. Layer 0 reads the embedding broadcast
-over the streams (a stride-0 view, no copy).
+sublayer's ``hc_pre`` + input RMSNorm in one pass (two launches). The attention sublayer
+is passed in (V4's decode / prefill attention, a DSpark stage's block attention), so the
+V4 family's whole-model forwards (models/v4/fast/) and the MTP drafter (deepinfer/spec/)
+share these; V4.1's shifted hyper-connections have their own (models/v41/fast/forward.py)
+and take only :func:`head_logits` from here.
 """
 
 from __future__ import annotations
@@ -19,9 +20,6 @@ from typing import Any
 
 import torch
 
-from ..paged_batch import ForwardBatch
-from ..v4.kv_cache import KVCache
-from .decode import attention_decode
 from .invariant import is_invariant
 from .moe import moe_forward
 from .moe import supported as moe_supported
@@ -82,30 +80,10 @@ def head_hidden(block: Any, ops: Any, streams: torch.Tensor, prev: tuple, return
                        cfg.rms_norm_eps, (block.norm.weight, block.norm.eps), prev, return_streams=return_streams)
 
 
-def _layers(model: Any, batch: ForwardBatch, cache: KVCache, capture: dict | None) -> tuple:
-    ctx = model.context(batch, cache)
-    return run_layers(model, batch.input_ids, batch.decode.ops, lambda attn, x: attention_decode(attn, x, ctx), capture)
-
-
-def _head(model: Any, ops: Any, streams: torch.Tensor, prev: tuple, return_streams: bool):
-    cfg = model.cfg
-    return ops.hc_head(streams, model.hc_head_fn, model.hc_head_base, model.hc_head_scale, cfg.hc_eps,
-                       cfg.rms_norm_eps, (model.norm.weight, model.norm.eps), prev, return_streams=return_streams)
-
-
 #: Decode steps with at most this many rows take the skinny GEMM for a dense LM head
 #: (as fast as cuBLAS or faster up to 16 rows on an H200, slower at 64: deepinfer_kernels/skinny_gemm.py,
 #: docs/measurements.md).
 SKINNY_HEAD_MAX_ROWS = 16
-
-
-def decode_logits(model: Any, batch: ForwardBatch, cache: KVCache,
-                  capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-    """Float32 logits [R, V] of every row of a decode batch (``batch.decode`` set).
-    ``capture``: for every layer id among its keys, ``capture[i]`` is set to that layer's
-    input streams [R, N, D], as ``DeepseekV4Model.forward`` does."""
-    streams, prev = _layers(model, batch, cache, capture)
-    return head_logits(model, batch.decode.ops, _head(model, batch.decode.ops, streams, prev, False))
 
 
 def head_logits(model: Any, ops: Any, hidden: torch.Tensor) -> torch.Tensor:
@@ -117,11 +95,3 @@ def head_logits(model: Any, ops: Any, hidden: torch.Tensor) -> torch.Tensor:
             and hidden.shape[0] <= SKINNY_HEAD_MAX_ROWS):
         return ops.skinny_linear(hidden, w, out_dtype=torch.float32)
     return model.head(hidden).float()
-
-
-def decode_streams(model: Any, batch: ForwardBatch, cache: KVCache,
-                   capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-    """The final streams [R, N, D] of every row (what ``DeepseekV4Model.forward`` returns:
-    speculative verify computes its own logits from them and hands them to the drafter)."""
-    streams, prev = _layers(model, batch, cache, capture)
-    return _head(model, batch.decode.ops, streams, prev, True)[1]

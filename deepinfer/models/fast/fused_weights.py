@@ -43,27 +43,3 @@ def project(owner: torch.nn.Module, key: str, linears: list[Linear], x: torch.Te
         return [lin(x) for lin in linears]
     # invariant_ops.linear: F.linear, or in batch-invariant mode the fixed-tile GEMM
     return list(invariant_ops.linear(x, weight).split([lin.out_features for lin in linears], dim=-1))
-
-
-def attention_inputs(attn: torch.nn.Module, x: torch.Tensor, ops, positions: torch.Tensor, inv_freq: torch.Tensor,
-                     swa_pool: torch.Tensor, swa_table: torch.Tensor
-                     ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """The projections every batched attention (decode and prefill) starts with: one GEMM
-    for x's projections [wq_a, wkv, (compressor wkv, wgate), (indexer compressor wkv, wgate,
-    weights_proj)], q_norm, one GEMM for [wq_b, (indexer wq_b)], the query's unweighted norm
-    + RoPE, and kv's norm + RoPE written into the layer's window pool at ``positions``.
-    Returns (x-side outputs, q-side outputs, q [T, heads, head_dim])."""
-    cfg, comp, ix = attn.cfg, attn.compressor, attn.indexer
-    x_side = [attn.wq_a, attn.wkv]
-    if comp is not None:
-        x_side += [comp.wkv, comp.wgate]
-    if ix is not None:
-        x_side += [ix.compressor.wkv, ix.compressor.wgate, ix.weights_proj]
-    proj = project(attn, "x", x_side, x)
-    q_res = ops.rms_norm(proj[0], attn.q_norm.weight, attn.q_norm.eps)
-    q_side = project(attn, "q", [attn.wq_b] + ([ix.wq_b] if ix is not None else []), q_res)
-    q = ops.norm_rope(q_side[0].view(x.shape[0], attn.n_heads, attn.head_dim), positions, inv_freq, "unweighted",
-                      eps=cfg.rms_norm_eps)
-    ops.norm_rope(proj[1], positions, inv_freq, "weighted", attn.kv_norm.weight, attn.kv_norm.eps,
-                  pool=swa_pool, table=swa_table)
-    return proj, q_side, q

@@ -15,7 +15,7 @@ mode's (``ops.invariant`` is then True and the code of ``fast/`` takes these bra
 * decode attention with at least two KV splits, so every row goes through the split
   merge (splits are fixed 256-key ranges; an empty one adds exact zeros), whether its
   step's table width gives it one split or several; prefill / mixed steps use the same
-  kernel per row (``invariant_prefill.py``), and the same indexer scores + stable top-k;
+  kernel per row (V4: ``models/v4/fast/invariant_prefill.py``), and the same indexer scores + stable top-k;
 * compressed entries pooled by one kernel for both step kinds
   (``deepinfer_kernels.batch_invariant_compressor``): :func:`compress_decode` runs the
   decode compressor (ring, tail) and re-pools the closing windows from the ring;

@@ -107,7 +107,7 @@ def compress_prefill(comp: torch.nn.Module, kv: torch.Tensor, gate: torch.Tensor
     kv = ``comp.wkv(x)`` and gate = ``comp.wgate(x)`` [T, coff * dim]; ``store`` a
     ``CompressorStore``. Writes entries, rings and tails. ``pool(kv_src, sc_src)``, when
     given, writes the closing windows' entries instead of the torch pooling below
-    (batch-invariant mode: fast/invariant_prefill.py)."""
+    (batch-invariant mode: models/v4/fast/invariant_prefill.py)."""
     r, d = comp.ratio, comp.dim
     sc = gate + comp.ape[positions % r]  # float32 scores, as the checkpoint's ape is
     ring = store.ring  # [slots, ring_len, 2, coff * d] float32

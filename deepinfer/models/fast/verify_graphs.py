@@ -21,6 +21,7 @@ in decode graphs: they write what row 0 writes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,6 +31,12 @@ from deepinfer.engine.transfer import copy_to_device
 from ..paged_batch import ForwardBatch
 from .decode_graphs import BUCKETS, graph_shapes, next_pow2, reserved_bytes
 from .runner import StepInputs
+
+#: What a speculative step's forward gives the spec runner, whichever executor ran it (the
+#: verify graphs here, a family prefill executor's ``spec_forward``, the reference path):
+#: (final streams [T, N, D] or V4.1's collapsed hidden [T, D], captured layer inputs,
+#: rows -> float32 logits [R, V])
+SpecForward = tuple[torch.Tensor, dict[int, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
 
 
 def verify_row_buckets(max_num_seqs: int, num_drafts: int) -> list[int]:

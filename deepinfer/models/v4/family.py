@@ -1,13 +1,16 @@
 """The DeepSeek-V4 family (`model_type: deepseek_v4`): what the registry hands the engine
 for a V4 checkpoint. Config: config.py; model: model.py (+ dspark.py for the
-DSpark stages); KV cache: kv_cache.py (swa / csa / hca groups); compiled executors: the
-GPU fast path in models/fast/ (decode steps: FastPath, prefill / mixed: PrefillPath)."""
+DSpark stages); KV cache: kv_cache.py (swa / csa / hca groups). Compiled executors: the
+shared decode executor (models/compiled.py: FastPath) with V4's decode program, and V4's
+own prefill / mixed executor (compiled.py: fast/prefill.py's PrefillPath); V4's pieces of
+the GPU fast path are in v4/fast/, the machinery both families share in models/fast/."""
 
 from __future__ import annotations
 
-from ..compiled import decode_executor, prefill_executor, v4_decode_program
+from ..compiled import decode_executor
 from ..paged_batch import check_block_size
 from ..registry import ModelFamily, register_family
+from .compiled import decode_program, dspark_stages_hidden, prefill_executor
 from .config import DeepseekV4Config
 from .dspark import draft_pass
 from .kv_cache import WINDOW_GROUPS_V4, KVCache, block_bytes_v4, group_names_v4, slot_bytes_v4
@@ -30,5 +33,6 @@ FAMILY = register_family(ModelFamily(
     plain_mtp_stages=True,
     decode_executor=decode_executor,
     prefill_executor=prefill_executor,
-    decode_program=v4_decode_program,
+    decode_program=decode_program,
+    dspark_stages_hidden=dspark_stages_hidden,
 ))

@@ -1,5 +1,6 @@
 """Factories of DeepSeek-V4.1's compiled pieces (v41/fast/) that its family hands the engine
-(`ModelFamily.prefill_executor` / `decode_program`); the batched decode executor itself is
+(`ModelFamily.prefill_executor` / `decode_program` / `dspark_stages_hidden`); the batched
+decode executor itself is
 the shared one (models/compiled.py). Imports are lazy: the registry loads a family before
 any executor is built."""
 
@@ -22,3 +23,10 @@ def decode_program() -> Any:
     from .fast.forward import decode_hidden_v41, decode_logits_v41
 
     return DecodeProgram(decode_logits_v41, decode_hidden_v41)
+
+
+def dspark_stages_hidden() -> Any:
+    """V4.1's DSpark stages over draft blocks, shifted hyper-connections (v41/fast/draft.py)."""
+    from .fast.draft import stages_hidden_v41
+
+    return stages_hidden_v41

@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..compiled import decode_executor
 from ..paged_batch import check_block_size
 from ..registry import ModelFamily, register_family
-from .compiled import decode_program, prefill_executor
+from .compiled import decode_program, dspark_stages_hidden, prefill_executor
 from .config import DeepseekV41Config
 from .dspark import draft_pass
 from .kv_cache import WINDOW_GROUPS, KVCacheV41, block_bytes_v41, group_names_v41, slot_bytes_v41
@@ -37,4 +37,5 @@ FAMILY = register_family(ModelFamily(
     decode_executor=decode_executor,
     prefill_executor=prefill_executor,
     decode_program=decode_program,
+    dspark_stages_hidden=dspark_stages_hidden,
 ))

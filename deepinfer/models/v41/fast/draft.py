@@ -1,5 +1,6 @@
 """DSpark's draft stages of DeepSeek-V4.1 on the compiled executor: the parallel block pass
-of `models/fast/draft_dspark.py` (which holds V4's stages, the block inputs and the sampling) for
+around which `models/fast/draft_dspark.py` builds the block inputs and the sampling (V4's
+stages: `models/v4/fast/draft.py`), for
 V4.1's shifted hyper-connections, the sites of ``decode_layers_v41`` (`forward.py`): the
 previous expansion, this site's mixes, the collapse and the input norm, the fused MoE with
 float32 router logits, and the output collapse + norm in one launch (``hc_collapse_norm``)."""

@@ -140,7 +140,7 @@ class PrefillPathV41:
 
     @torch.no_grad()
     def spec_forward(self, batch: ForwardBatch, layers: tuple[int, ...], invariant: bool) -> tuple | None:
-        """A speculative step's prompt / mixed chunk (models/fast/verify_prefill.py's ``SpecForward``):
+        """A speculative step's prompt / mixed chunk (models/fast/verify_graphs.py's ``SpecForward``):
         (the collapsed final hidden [T, hidden] of every row, what V4.1's forward returns and
         its drafter reads; the inputs of ``layers`` [T, N, D] as ``DeepseekV41Model.forward``
         captures them; rows -> float32 logits, in batch-invariant mode from the decode

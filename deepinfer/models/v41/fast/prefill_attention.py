@@ -36,7 +36,7 @@ from .decode import _linear_f32
 #: Query rows whose indexer scores are materialised at once ([rows, entries] float32 and
 #: the sort's copies): 4096 rows x 8192 entries = 128 MiB per buffer.
 INDEX_ROWS = 4096
-#: Heads x rows of one attention program (as V4's prefill: models/fast/prefill_attention.py).
+#: Heads x rows of one attention program (as V4's prefill: models/v4/fast/prefill_attention.py).
 ATTN_HEADS, ATTN_ROWS = 64, 32
 
 

@@ -3,7 +3,7 @@ once (no Python loop over requests or rows).
 
 Order of work, as the reference does per request: project q / kv for all rows, write
 every row's window KV into the paged pool, run the compressor(s) over the whole step
-(:mod:`prefill_compressor`), select CSA entries with the prefill indexer, then one
+(models/fast/prefill_compressor.py), select CSA entries with the prefill indexer, then one
 ``prefill_attention`` kernel call reads each row's window + compressed keys from the pools.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from ..rope import Rotary
-from ..v4.kv_cache import GROUP_CSA, GROUP_SWA, KVCache
-from .decode import _inv_freq
-from .fused_weights import attention_inputs
-from .prefill_compressor import compress_prefill
-from .prefill_meta import PrefillMeta
+from ...fast.decode import _inv_freq
+from ...fast.prefill_compressor import compress_prefill
+from ...fast.prefill_meta import PrefillMeta
+from ...rope import Rotary
+from ..kv_cache import GROUP_CSA, GROUP_SWA, KVCache
+from .decode import attention_inputs
 
 #: Heads of one attention program at most, and rows x heads that window / HCA layers tile
 #: rows up to. At V4-Flash widths (64 heads x 512) one 64-head program per row with 64-key

@@ -8,7 +8,7 @@ step's per-row pieces, batched over the whole step: the projections and norms of
 with the entries pooled by the kernel decode uses (``pool_windows``), the indexer
 scores + stable top-k of ``indexer_topk`` and ``decode_attention`` (with its split
 merge) over each row's own block tables, then the decode head (``hc_head`` + the LM
-head) for the rows that sample. The ops are the mode's (``invariant.invariant_ops``).
+head) for the rows that sample. The ops are the mode's (``invariant_ops`` of models/fast/invariant.py).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from ..rope import Rotary
-from ..v4.kv_cache import GROUP_CSA, GROUP_SWA, KVCache
-from .decode import _inv_freq, grouped_out
-from .forward import head_hidden, head_logits, run_layers
-from .fused_weights import attention_inputs
-from .prefill_compressor import CompressorPlan, compress_prefill
-from .prefill_meta import PrefillMeta
+from ...fast.decode import _inv_freq, grouped_out
+from ...fast.forward import head_hidden, head_logits, run_layers
+from ...fast.prefill_compressor import CompressorPlan, compress_prefill
+from ...fast.prefill_meta import PrefillMeta
+from ...rope import Rotary
+from ..kv_cache import GROUP_CSA, GROUP_SWA, KVCache
+from .decode import attention_inputs
 
 __all__ = ["window_pool", "attention_prefill_invariant", "prefill_logits"]
 

@@ -1,10 +1,11 @@
 """Speculative steps on the compiled prefill path: prompt / mixed chunks, and every step
 in batch-invariant mode.
 
-With speculation on, every step goes through the spec runner (deepinfer/spec/runner.py):
+With speculation on, every step goes through the spec runner (deepinfer/spec/runner.py), which
+reaches this module through ``PrefillPath.spec_forward`` (v4/fast/prefill.py):
 a verify step's rows need the drafter's captured layer inputs and the final streams
 besides the logits. Decode-like steps (each request a token and its drafts) replay the
-verify graphs (:mod:`verify_graphs`); this module runs the others on the prefill path
+verify graphs (models/fast/verify_graphs.py); this module runs the others on the prefill path
 (``PrefillPath``: batched attention, compressors and indexer, fused mHC / MoE), with the
 drafter's layers captured.
 
@@ -20,20 +21,16 @@ it, so speculative greedy output equals non-speculative greedy output bitwise.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..mhc import hc_post
-from ..paged_batch import ForwardBatch
-from .forward import head_hidden, head_logits, run_layers
+from ...fast.forward import head_hidden, head_logits, run_layers
+from ...fast.verify_graphs import SpecForward
+from ...mhc import hc_post
+from ...paged_batch import ForwardBatch
 from .invariant_prefill import attention_prefill_invariant
 from .prefill_attention import attention_prefill
-
-#: (final streams [T, N, D], captured layer inputs, rows -> float32 logits [R, V])
-SpecForward = tuple[torch.Tensor, dict[int, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
-
 
 class SpecPrefill:
     """The speculative steps a ``PrefillPath`` runs (see the module docstring)."""
@@ -69,4 +66,4 @@ class SpecPrefill:
         return final, capture or {}, logits
 
 
-__all__ = ["SpecForward", "SpecPrefill"]
+__all__ = ["SpecPrefill"]
