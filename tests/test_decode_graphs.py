@@ -117,6 +117,12 @@ def _model():
     return model.eval()
 
 
+def _v41_model():
+    model = build_model(tiny_v41_config(vocab_size=VOCAB, sliding_window=32, index_topk=4), torch.float32)
+    init_random(model, 3)
+    return model.eval()
+
+
 def test_graph_memory_is_profiled_before_the_cache_is_sized(monkeypatch):
     """The probe captures the largest shape over a one-block cache and measures its outputs
     per row (float32 logits of the vocabulary, the greedy lane's packed pair, log-sum-exp,
@@ -196,15 +202,18 @@ def test_a_step_wider_than_the_largest_bucket_runs_eagerly_without_a_capture(v4_
 
 
 @pytest.mark.parametrize("fast_prefill,max_model_len,ran", [("ref", 512, 4), ("ref", 160, 3), ("0", 512, 0)])
-def test_prefill_step_kinds_warm_on_the_engines_prefill_path(monkeypatch, fast_prefill, max_model_len, ran):
+@pytest.mark.parametrize("family", ["v4", "v41"])
+def test_prefill_step_kinds_warm_on_the_engines_prefill_path(monkeypatch, fast_prefill, max_model_len, ran, family):
     """The start-up compile warm-up runs each prefill kind the limits allow (one-token prompt,
-    odd lengths, a second chunk beside a decoding row, 16 prompts) on the prefill path the
-    engine takes; none without a compiled one."""
+    odd lengths, a second chunk beside a decoding row, 16 prompts) on the prefill executor the
+    engine builds for the model's family (V4.1's too: it warmed nothing when the warm-up named
+    V4's path); none without a compiled one."""
     from deepinfer.engine.prefill_warmup import warm_prefill_kinds
 
     monkeypatch.setenv("DEEPINFER_FAST_PREFILL", fast_prefill)
     cfg = EngineConfig(max_model_len=max_model_len, max_num_seqs=16, block_size=128, accelerator="cpu")
-    assert warm_prefill_kinds(_model(), cfg, torch.device("cpu")) == ran
+    model = _model() if family == "v4" else _v41_model()
+    assert warm_prefill_kinds(model, cfg, torch.device("cpu")) == ran
 
 
 def test_the_sampler_warms_every_lane_before_the_first_generate():

@@ -15,19 +15,33 @@ GIB = 1 << 30
 
 
 @pytest.mark.parametrize("fast_prefill", ["0", "ref"])
-def test_worst_case_step_runs_on_the_engines_prefill_path(monkeypatch, fast_prefill: str) -> None:
-    from deepinfer.models.registry import build_model
+@pytest.mark.parametrize("family", ["v4", "v41"])
+def test_worst_case_step_runs_on_the_engines_prefill_path(monkeypatch, fast_prefill: str, family: str) -> None:
+    """The profiled step runs on the prefill executor the engine builds for the model's family
+    (V4.1's own too: it was profiled on the reference path when this named V4's executor)."""
+    from deepinfer.models.registry import build_model, family_of
+    from deepinfer.models.tiny import tiny_v41_config
 
     monkeypatch.setenv("DEEPINFER_FAST_PREFILL", fast_prefill)
-    model = build_model(tiny_config(vocab_size=512, sliding_window=32, index_topk=4), torch.float32)
+    make = tiny_config if family == "v4" else tiny_v41_config
+    model = build_model(make(vocab_size=512, sliding_window=32, index_topk=4), torch.float32)
     init_random(model, 3)
     cfg = EngineConfig(max_num_batched_tokens=300, max_model_len=256, max_num_seqs=5, block_size=128)
     calls = []
-    from deepinfer.models.v4.fast import prefill as prefill_mod
+    fam = family_of(model.cfg)
+    build = fam.prefill_executor
 
-    original = prefill_mod.PrefillPath.forward
-    monkeypatch.setattr(prefill_mod.PrefillPath, "forward", lambda self, *a: calls.append(a) or original(self, *a))
-    lp = worst_case_step(model.eval(), cfg, torch.device("cpu"))
+    def spying(model, cache):  # the executor the profile builds, with its forward counted
+        executor = build(model, cache)
+        if executor is not None:
+            forward = executor.forward
+            executor.forward = lambda *a: calls.append(a) or forward(*a)
+        return executor
+    object.__setattr__(fam, "prefill_executor", spying)  # a frozen dataclass: restored below
+    try:
+        lp = worst_case_step(model.eval(), cfg, torch.device("cpu"))
+    finally:
+        object.__setattr__(fam, "prefill_executor", build)
     assert lp.shape == (5, 512) and torch.isfinite(lp).all()
     assert torch.allclose(lp.exp().sum(-1), torch.ones(5), atol=1e-4)
     assert len(calls) == (1 if fast_prefill == "ref" else 0)  # min(300, 256) tokens, one step

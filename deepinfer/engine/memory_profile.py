@@ -112,11 +112,6 @@ def decode_graph_memory(model: torch.nn.Module, config: EngineConfig,
 def worst_case_step(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> torch.Tensor:
     """Run the profiled step (see the module doc) over a throwaway cache on ``device``;
     returns its log-probs [max_num_seqs, vocab]. Nothing it allocates outlives it."""
-    # V4's prefill path by name: its create() is None for V4.1, whose step is profiled on the
-    # reference path; family.prefill_executor would move V4.1 onto its own executor here (a change
-    # of what V4.1 engines measure, not part of the family split)
-    from deepinfer.models.v4.fast.prefill import PrefillPath
-
     mcfg = model.cfg
     tokens = max(1, min(config.max_num_batched_tokens, config.max_model_len))
     bs = config.block_size
@@ -128,7 +123,8 @@ def worst_case_step(model: torch.nn.Module, config: EngineConfig, device: torch.
     seqs = [SeqMeta(0, tokens, 0, table, 0, is_new=True, prompt_len=tokens)]
     ids = torch.randint(0, mcfg.vocab_size, (tokens,), device=device)
     batch = ForwardBatch(ids, torch.arange(tokens, device=device), seqs)
-    prefill = PrefillPath.create(model, cache)  # the path the engine takes for this step
+    # the family's compiled prefill executor, as ModelRunner builds it: the path the engine takes
+    prefill = family.prefill_executor(model, cache) if family.prefill_executor is not None else None
     meta = prefill.prepare(batch) if prefill is not None else None
     last = torch.full((1,), tokens - 1, dtype=torch.long, device=device)
     streams = prefill.forward(batch, meta, last) if meta is not None else model(batch, cache)[last]

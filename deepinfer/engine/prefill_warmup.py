@@ -57,15 +57,10 @@ def _step(kind: tuple[tuple[int, int, bool], ...], block_size: int, groups: list
 def warm_prefill_kinds(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> int:
     """Run every kind of :func:`step_kinds` once on the engine's prefill path (when it has
     a compiled one) over a throwaway cache; returns how many ran (0: nothing to compile)."""
-    # V4's prefill path by name: V4.1 gets None from its create() and warms nothing here;
-    # family.prefill_executor would start warming V4.1's executor (a behaviour change, not part
-    # of the family split)
-    from deepinfer.models.v4.fast.prefill import PrefillPath
-
-    if config.batch_invariant or family_of(model.cfg).prefill_executor is None:
+    family = family_of(model.cfg)
+    if config.batch_invariant or family.prefill_executor is None:
         return 0
     mcfg, bs = model.cfg, config.block_size
-    family = family_of(mcfg)
     groups = family.kv_group_names(mcfg)
     steps = [_step(kind, bs, groups, device, mcfg.vocab_size) for kind in step_kinds(bs)
              if max(s + n for s, n, _ in kind) <= config.max_model_len
@@ -75,7 +70,7 @@ def warm_prefill_kinds(model: torch.nn.Module, config: EngineConfig, device: tor
     blocks = max(n for _, n in steps)
     cache = family.new_kv_cache(mcfg, dict.fromkeys(groups, blocks), bs, max(len(b.seqs) for b, _ in steps),
                                 model.dtype, device)
-    prefill = PrefillPath.create(model, cache)
+    prefill = family.prefill_executor(model, cache)  # as ModelRunner builds it
     if prefill is None:
         return 0
     ran = 0
