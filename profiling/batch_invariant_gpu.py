@@ -40,6 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "profiling"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # batch_invariant_cost: a benchmark
 
 from batch_invariance_probe import probe_table, torch_references  # noqa: E402
 from batch_invariant_cost import workload  # noqa: E402

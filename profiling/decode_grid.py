@@ -38,6 +38,7 @@ from collections import Counter
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))  # fastpath_bench / kernel_bench: the benchmarks
 
 import torch  # noqa: E402
 from decode_grid_analysis import analyse  # noqa: E402

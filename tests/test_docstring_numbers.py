@@ -1,7 +1,7 @@
 """Measured numbers and commit hashes live in results and notes, not in docstrings or
 comments: a docstring that quotes "1.8x faster" or "at 61c6cdb" is stale the day the code
-changes. This guard scans every docstring and comment of the engine, the kernels and the
-profiling scripts for the shapes such claims take (throughput, bandwidth, speedups,
+changes. This guard scans every docstring and comment of the engine, the kernels, the
+benchmarks and the profiling scripts for the shapes such claims take (throughput, bandwidth, speedups,
 before -> after timings, "took N us", commit hashes) and names each hit. Keep the *why* in
 the code and point to the result file or docs/measurements.md.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ROOTS = ("deepinfer", "deepinfer_kernels", "profiling")
+ROOTS = ("deepinfer", "deepinfer_kernels", "benchmarks", "profiling")
 _NUM = r"(?<![\w.])~?\d(?:[\d.,]*\d)?"  # a number on its own: not the 16 of bf16
 PATTERNS: dict[str, re.Pattern[str]] = {
     "throughput": re.compile(rf"{_NUM}\s*k?\s*tok(?:en)?s?\s*/\s*s\b", re.I),

@@ -62,7 +62,7 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLM]:
         from deepinfer.models.tiny import mini_config, write_tiny_checkpoint
 
         if args.size == "mini_v41":
-            sys.path.insert(0, str(ROOT / "profiling"))
+            sys.path.insert(0, str(ROOT / "benchmarks"))
             from v41_bounded_replay import mini_v41_config as mini_config  # noqa: F811
         model = tempfile.mkdtemp(prefix=f"{args.size}_")
         write_tiny_checkpoint(model, seed=0, cfg=mini_config(), dtype=torch.bfloat16)

@@ -38,8 +38,11 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(ROOT, "profiling", "results")  # every run's record lives there, studies' too
+sys.path.insert(0, os.path.join(ROOT, "profiling"))  # fastpath_check / fastpath_roofline: checks and studies live there
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
@@ -334,7 +337,7 @@ def table(out: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="mini,flash4")
-    parser.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results")))
+    parser.add_argument("--out", default=os.environ.get("OUT", RESULTS))
     parser.add_argument("--budget-s", type=float, default=450.0, help="skip phases past this much wall time")
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny shapes, torch-reference kernels")
     parser.add_argument("--no-hf", action="store_true")

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     (out / "notebooks").mkdir(parents=True, exist_ok=True)
     if not (Path(args.ckpt) / "model.safetensors.index.json").exists():
-        sys.path.insert(0, str(REPO / "profiling"))
+        sys.path.insert(0, str(REPO / "benchmarks"))
         from mini_sweep import mini_config
 
         from deepinfer.models.tiny import write_tiny_checkpoint

@@ -318,6 +318,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rec = Recorder(out / "kernel_bench_h200.json", meta)
+    sys.path.insert(0, str(ROOT / "profiling"))  # its sections stay with the studies that tuned them
     import kernel_bench_fused  # the decode path's fused kernels (mHC, norm + RoPE, compressor)
     import kernel_bench_moe_quant  # the MoE on FP8 / FP4 expert weights (--only moe_quant)
 

@@ -31,7 +31,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.engine.request import Request  # noqa: E402
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--max-verify", type=int, default=None, help="largest verify rows per request (default 6)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per point after one warm-up (default 2)")
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop starting new points after this many seconds")
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "profiling", "results"))
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     accel = "cpu" if args.smoke or not torch.cuda.is_available() else "nvidia"

@@ -30,8 +30,11 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(ROOT, "profiling", "results")  # every run's record lives there, studies' too
+sys.path.insert(0, os.path.join(ROOT, "profiling"))  # fastpath_check / fastpath_roofline: checks and studies live there
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 from fastpath_bench import PrebuiltLLM, build, commit, decode_speed, prefill_speed, sync  # noqa: E402
@@ -126,7 +129,7 @@ def timing(model, cfg_dir: str, invariant: bool, costs: ModelCosts, args) -> dic
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=os.environ.get("OUT") or RESULTS)
     ap.add_argument("--tiny", action="store_true", help="CPU stand-in (a test of this script)")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--new-tokens", type=int, default=64)

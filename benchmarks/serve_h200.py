@@ -213,7 +213,7 @@ async def server_counters(url: str) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "profiling", "results"))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new", type=int, default=128)

@@ -30,8 +30,11 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(ROOT, "profiling", "results")  # every run's record lives there, studies' too
+sys.path.insert(0, os.path.join(ROOT, "profiling"))  # fastpath_check / fastpath_roofline: checks and studies live there
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
 os.environ.setdefault("DEEPINFER_CUDA_GRAPHS", "0")  # decode is not measured here: no graph warm-up
 
 import torch  # noqa: E402
@@ -126,7 +129,7 @@ def drop(llm) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=os.environ.get("OUT") or RESULTS)
     ap.add_argument("--tiny", action="store_true", help="CPU stand-ins (tests of this script)")
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--keep", type=int, default=140)
