@@ -2,8 +2,8 @@
 """Sync vs async scheduling on a decode batch: device idle between consecutive steps (as %
 of the step), host time per step and decode tok/s, from torch profiler traces.
 
-    python profiling/async_overlap.py                                  # tiny model, CPU
-    PYTHONPATH=. python3 profiling/async_overlap.py --size mini --batch 64   # one H200, < 3 min
+    python benchmarks/async_overlap.py                                  # tiny model, CPU
+    PYTHONPATH=. python3 benchmarks/async_overlap.py --size mini --batch 64   # one H200, < 3 min
 
 ``--size mini`` writes `mini` (REFERENCE.md section 5) with random bf16 weights and runs
 it on CUDA with the fast path and CUDA graphs. For each mode (one engine per mode, same

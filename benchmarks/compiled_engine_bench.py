@@ -4,7 +4,7 @@ and one 8k prefill each, plus a greedy check of the compiled path against the re
 path on the same engine. Writes ``compiled_engine_<hardware>_<commit>.json`` with a
 ``targets`` list of {name, value, target, met}.
 
-    python3 profiling/compiled_engine_bench.py [--out DIR] [--tiny]   # --tiny: CPU stand-ins
+    python3 benchmarks/compiled_engine_bench.py [--out DIR] [--tiny]   # --tiny: CPU stand-ins
 """
 
 from __future__ import annotations

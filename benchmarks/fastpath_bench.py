@@ -1,7 +1,7 @@
 """The GPU fast path vs the reference path and HF transformers, in one GPU call.
 
-    PYTHONPATH=. python3 profiling/fastpath_bench.py [--sizes mini,flash4] [--out DIR] [--budget-s 450]
-    python profiling/fastpath_bench.py --tiny          # CPU: tiny shapes, torch references (tests)
+    PYTHONPATH=. python3 benchmarks/fastpath_bench.py [--sizes mini,flash4] [--out DIR] [--budget-s 450]
+    python benchmarks/fastpath_bench.py --tiny          # CPU: tiny shapes, torch references (tests)
 
 For each size (``mini`` = REFERENCE.md section 5, 1.17B params; ``flash4`` = V4-Flash
 widths, 4 layers, 27.4B params), a random bf16 model is built directly on the GPU (no

@@ -1,7 +1,7 @@
 """Where a decode step's host time goes, without a profiler's overhead: wall time of the
 engine's step functions per decode step, on the `mini` config (random bf16) or a model dir.
 
-    PYTHONPATH=. python3 profiling/host_phases.py [--size mini] [--batches 1,64] [--tokens 128] [--out DIR]
+    PYTHONPATH=. python3 benchmarks/host_phases.py [--size mini] [--batches 1,64] [--tokens 128] [--out DIR]
 
 Wraps the functions below with perf_counter accumulators (nested ones overlap: `launch`
 contains `prepare` and `graph replay`), runs a greedy decode of ``--tokens`` tokens per

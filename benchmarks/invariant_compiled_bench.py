@@ -12,9 +12,9 @@ DEEPINFER_FAST_PREFILL=0) on a few short prompts. Then timing: decode at batch 1
 ``invariant_compiled_<hardware>_<commit>.json`` under --out (default $OUT or
 profiling/results) with a ``targets`` list of {name, value, target, met}.
 
-    python3 profiling/invariant_compiled_bench.py [--out DIR] [--tiny] [--size mini|mini_v41]
+    python3 benchmarks/invariant_compiled_bench.py [--out DIR] [--tiny] [--size mini|mini_v41]
 
-``--size mini_v41``: DeepSeek-V4.1 at `mini` widths (profiling/v41_bounded_replay.py's
+``--size mini_v41``: DeepSeek-V4.1 at `mini` widths (benchmarks/v41_bounded_replay.py's
 ``mini_v41_config``; V4.1's compiled prefill / mixed steps run the mode's rows too:
 v41/fast/prefill.py), written as ``invariant_compiled_v41_<hardware>_<commit>.json``.
 """

@@ -1,6 +1,6 @@
 """Check and time deepinfer_kernels on one GPU against their torch references.
 
-    python profiling/kernel_bench.py [--out DIR] [--widths flash,mini] [--only moe,moe_quant,...] [--smoke]
+    python benchmarks/kernel_bench.py [--out DIR] [--widths flash,mini] [--only moe,moe_quant,...] [--smoke]
 
 For every kernel, at V4-Flash widths (hidden 4096, 64 heads x 512, 256 experts x 2048
 top-6, indexer 64 x 128 top-512) and `mini` widths (hidden 1024, 16 heads, 64 experts x

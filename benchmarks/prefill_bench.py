@@ -2,9 +2,9 @@
 speed, for `mini` (REFERENCE.md section 5, random weights) in bf16 and with FP8 e4m3
 128x128 block-scaled weights (+ FP4 routed experts, the official V4 layout), one GPU call.
 
-    python profiling/prefill_bench.py [--config mini] [--lengths 2048,8192] [--repeats 3]
+    python benchmarks/prefill_bench.py [--config mini] [--lengths 2048,8192] [--repeats 3]
                                       [--variants bf16,fp8] [--out DIR] [--commit SHA]
-    python profiling/prefill_bench.py --config tiny --lengths 64,160 --repeats 1   # CPU smoke run
+    python benchmarks/prefill_bench.py --config tiny --lengths 64,160 --repeats 1   # CPU smoke run
 
 Per variant:
 (a) check: a mixed batch (prompt lengths 1 / 100 / 700 / 2100 / 6000; the last one is

@@ -29,7 +29,7 @@ client's TTFT splits into engine time and HTTP / admission / SSE time. Writes
 ``serve_h200_<commit>.json`` (commit, hardware, config, every number, a ``targets`` list of
 {name, value, target, met}) under $OUT (else profiling/results) and prints a short table.
 
-    python3 profiling/serve_h200.py [--batch 64] [--prompt-len 256] [--new 128] [--clients process,thread] [--tiny]
+    python3 benchmarks/serve_h200.py [--batch 64] [--prompt-len 256] [--new 128] [--clients process,thread] [--tiny]
 """
 
 from __future__ import annotations

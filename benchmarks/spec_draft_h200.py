@@ -22,7 +22,7 @@ Writes ``spec_draft_h200_<commit>.json`` under --out (default $OUT or profiling/
 with commit, hardware, config and a ``targets`` list of {name, value, target, met}; prints
 a short table last.
 
-    python3 profiling/spec_draft_h200.py [--out DIR] [--tiny]   # --tiny: CPU stand-in (tests)
+    python3 benchmarks/spec_draft_h200.py [--out DIR] [--tiny]   # --tiny: CPU stand-in (tests)
 """
 
 from __future__ import annotations

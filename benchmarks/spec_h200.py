@@ -18,7 +18,7 @@ Writes ``spec_h200_<commit>.json`` under --out (default $OUT or profiling/result
 commit, hardware, config and the issue's ``targets`` list of {name, value, target, met};
 prints a short table last.
 
-    python3 profiling/spec_h200.py [--out DIR] [--tiny]   # --tiny: CPU stand-in (tests)
+    python3 benchmarks/spec_h200.py [--out DIR] [--tiny]   # --tiny: CPU stand-in (tests)
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Decode step time vs verify rows per request: the curve the confidence-scheduled verify
 budget loads (deepinfer/spec/step_curve.py finds the JSON by hardware + model signature).
 
-    python profiling/spec_step_curve.py            # GPU: `mini` + 1 MTP layer, bf16, random weights (~2-3 min)
-    python profiling/spec_step_curve.py --smoke    # CPU, tiny config, seconds
+    python benchmarks/spec_step_curve.py            # GPU: `mini` + 1 MTP layer, bf16, random weights (~2-3 min)
+    python benchmarks/spec_step_curve.py --smoke    # CPU, tiny config, seconds
 
 1. Greedy checks on the device, speculation on (k=3) == off token for token: tiny V4 with
    its MTP stage, tiny V4.1 with its DSpark drafter under a compact bounded replay.

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The batch sweep CLI (DeepInfer users know it as the sweep script).
 
-    python profiling/sweep.py                                   # tiny model on CPU, < 2 min
-    python profiling/sweep.py --model /ckpt --dtype bfloat16 --max-model-len 4096 \\
+    python benchmarks/sweep.py                                   # tiny model on CPU, < 2 min
+    python benchmarks/sweep.py --model /ckpt --dtype bfloat16 --max-model-len 4096 \\
         --workload datasets/workloads/mini_chat.jsonl --prefill-budgets 1024,2048,4096,8192 \\
         --decode-batch-sizes 1,4,16,64 --concurrency 8,32 --name mini-h200
 

@@ -15,7 +15,7 @@ Writes ``v41_prefill_<hardware>_<commit>.json`` (commit, hardware, config, resul
 ``targets`` [{name, value, target, met}]) under --out (default $OUT or profiling/results),
 then prints a short table.
 
-    python3 profiling/v41_prefill_h200.py [--out DIR] [--tiny]   # --tiny: CPU stand-ins
+    python3 benchmarks/v41_prefill_h200.py [--out DIR] [--tiny]   # --tiny: CPU stand-ins
 """
 
 from __future__ import annotations

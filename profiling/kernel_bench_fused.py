@@ -1,8 +1,8 @@
-"""Sections of profiling/kernel_bench.py for the decode path's fused kernels: mHC
+"""Sections of benchmarks/kernel_bench.py for the decode path's fused kernels: mHC
 (``hc_pre``, ``hc_post_pre``, ``hc_head``), ``norm_rope`` and ``compressor_decode``, each
 checked against its torch reference on fresh random inputs and timed (eager and graphed).
 
-    python profiling/kernel_bench.py --only mhc,epilogue [--widths flash,mini]
+    python benchmarks/kernel_bench.py --only mhc,epilogue [--widths flash,mini]
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Section ``moe_quant`` of profiling/kernel_bench.py: the routed-expert MoE on quantized
+"""Section ``moe_quant`` of benchmarks/kernel_bench.py: the routed-expert MoE on quantized
 weights (``fused_moe_fp8`` w8a16, ``fused_moe_fp4`` w4a16) against the bf16 ``fused_moe``,
 each checked against its torch reference, and the quantized ones also against the bf16
 kernel on the dequantized weights (``bf16_kernel_equal_frac``: decoding in the kernel is
 exact, so this should be ~1).
 
-    python profiling/kernel_bench.py --only moe_quant [--widths flash,mini]   (--smoke: CPU)
+    python benchmarks/kernel_bench.py --only moe_quant [--widths flash,mini]   (--smoke: CPU)
 
 Widths: E routed experts + the shared one stacked as expert E (every token's last slot,
 weight 1), as the fast path runs it; k = top-k + 1. GB/s counts the weight bytes of the

@@ -58,7 +58,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-client", default="process", choices=["process", "thread"],
                    help="where the engine's step loop runs: its own process (default; the event loop's Python "
                    "never holds up a step) or a thread of the server's process (no pickling; shares the GIL "
-                   "with HTTP). profiling/serve_h200.py measures both")
+                   "with HTTP). benchmarks/serve_h200.py measures both")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     engine = p.add_argument_group("engine arguments (EngineConfig; unset: DEEPINFER_* or the default)")
     for name, tp, _ in _engine_fields():
