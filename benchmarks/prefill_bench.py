@@ -24,7 +24,8 @@ Per variant:
 (c) speed: one prompt of each length, ``max_tokens=1``, warm-up then the median of
     ``--repeats`` runs of generate() (host scheduling + sampling included): prefill tok/s,
     ms, analytic TFLOP/s (GEMMs of the active weights + attention + indexer scores) and
-    its fraction of 800 (the measured bf16 peak; FP8 rows too, for comparison); the
+    its fraction of the bf16 matmul ceiling (REFERENCE.md section 5, docs/measurements.md
+    "Ceilings"; FP8 rows too, for comparison); the
     reference path once per length; the ratio to HF transformers' numbers of REFERENCE.md.
 JSON (commit, device, config, every number) under --out/prefill_bench_<config>.json,
 then a short table. On a host without CUDA the fast path runs with the kernels' torch
