@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 HERE = Path(__file__).resolve().parent
-BENCH_DIR = HERE.parent / "benchmarks"  # BENCHMARKS' scripts; STUDIES and CHECKS are in HERE
+BENCH_DIR = HERE.parent / "benchmarks"  # where BENCHMARKS' scripts are (the test checks both folders)
 RESULTS = HERE / "results"
 INDEX = RESULTS / "INDEX.md"
 

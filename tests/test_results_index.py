@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 PROFILING = Path(__file__).resolve().parents[1] / "profiling"
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _index():
@@ -30,7 +29,8 @@ def test_every_script_is_classified_once_by_its_folder() -> None:
     others = list(idx.STUDIES) + list(idx.CHECKS)
     listed = bench + others
     assert len(listed) == len(set(listed)), "a script is in two classes"
-    for folder, names, what in [(BENCHMARKS, set(bench), "BENCHMARKS"), (PROFILING, set(others), "STUDIES or CHECKS")]:
+    assert idx.BENCH_DIR == PROFILING.parent / "benchmarks" and idx.HERE == PROFILING
+    for folder, names, what in [(idx.BENCH_DIR, set(bench), "BENCHMARKS"), (PROFILING, set(others), "STUDIES or CHECKS")]:
         scripts = _scripts(folder)
         assert scripts - names == set(), f"add these to {what} in profiling/results_index.py: {sorted(scripts - names)}"
         assert names - scripts == set(), f"listed in {what} but not in {folder.name}/: {sorted(names - scripts)}"
