@@ -9,7 +9,8 @@ engines built over models in memory).
 2. Speed: one 8k-token prefill per mode (compiled), the reference path's compact 8k
    prefill, and V4 `mini`'s compiled 8k prefill in the same run (issue 23's target:
    V4.1 8k prefill with compact replay >= V4's).
-(Batch-invariant mode of V4.1 on the compiled executor: profiling/v41_invariant_h200.py.)
+(Batch-invariant mode of V4.1 on the compiled executor: benchmarks/invariant_compiled_bench.py
+--size mini_v41.)
 
 Writes ``v41_prefill_<hardware>_<commit>.json`` (commit, hardware, config, results,
 ``targets`` [{name, value, target, met}]) under --out (default $OUT or profiling/results),
