@@ -15,7 +15,7 @@
    second pass hits the prefix cache) -> unique. Pass = 1 and 1 with the mode on.
 3. kernels: the invariant GEMM vs cuBLAS and the attention kernel, timed, with roofline
    fractions (of REFERENCE.md section 5's H200 ceilings).
-4. cost: prefill and decode tok/s (profiling/batch_invariant_cost.py's workloads) for the
+4. cost: prefill and decode tok/s (benchmarks/batch_invariant_cost.py's workloads) for the
    default engine, the reference path (DEEPINFER_FASTPATH=0; the mode runs on it), the
    mode with the kernels, and the mode with its torch references.
 
@@ -40,6 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "profiling"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # batch_invariant_cost: a benchmark
 
 from batch_invariance_probe import probe_table, torch_references  # noqa: E402
 from batch_invariant_cost import workload  # noqa: E402

@@ -5,7 +5,7 @@
 Per engine: the greedy tokens of fixed prompts (prefix caching off while they run), fresh
 and again once warmed, which must be identical on every engine and state (the compiled
 path against itself: in bf16 with random weights the reference path flips near-ties, so
-the compiled-vs-reference numerics are fastpath_bench.py's per-layer study); then the grid.
+the compiled-vs-reference numerics are benchmarks/fastpath_bench.py's per-layer study); then the grid.
 A cell (batch b, context c) primes a shared prefix of c - 32 tokens (rounded down to a
 block) once, then runs b requests of that prefix plus tokens of their own twice (different
 tails, prefix-cache hits on the shared part), ``--new`` tokens each: the first call is the
@@ -38,6 +38,7 @@ from collections import Counter
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))  # fastpath_bench is a benchmark
 
 import torch  # noqa: E402
 from decode_grid_analysis import analyse  # noqa: E402

@@ -1,4 +1,4 @@
-"""Correctness phases of profiling/fastpath_bench.py: the engine's reference path vs its
+"""Correctness phases of benchmarks/fastpath_bench.py: the engine's reference path vs its
 fast path (eager and CUDA graphs) on a mixed batch, and the teacher-forced per-layer study
 of profiling/fastpath_layers.py."""
 

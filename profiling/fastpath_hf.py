@@ -1,4 +1,4 @@
-"""The HF transformers baseline of profiling/fastpath_bench.py: ``DeepseekV4ForCausalLM``
+"""The HF transformers baseline of benchmarks/fastpath_bench.py: ``DeepseekV4ForCausalLM``
 with the same config and random weights, timed with eager ``generate()`` (REFERENCE.md
 section 5: its static cache does not support V4's compressed layers and torch.compile
 did not finish, so eager generate is the practical baseline).

@@ -1,5 +1,5 @@
 """Bytes and FLOPs a DeepSeek-V4 decode / prefill step must move and compute, for the
-roofline figures of profiling/fastpath_bench.py (against the ceilings of one H200 measured
+roofline figures of benchmarks/fastpath_bench.py (against the ceilings of one H200 measured
 in REFERENCE.md section 5: copy bandwidth and bf16 matmul).
 
 Counted from the model object:

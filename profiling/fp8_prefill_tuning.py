@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))  # kernel_bench is a benchmark
 if "--smoke" in sys.argv:  # the interpreter must be chosen before triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
 

@@ -30,46 +30,46 @@ case "${1:-single}" in
        # 8k-token prefill per rank, skewed routing before / after EPLB, then balanced routing
     R=${RANKS:-2}
     run 200 python3 profiling/ep_gpu_check.py --ranks $R --size mini
-    for b in 64 256; do run 280 python3 profiling/ep_bench.py --ranks $R --size mini --dtype bfloat16 \
+    for b in 64 256; do run 280 python3 benchmarks/ep_bench.py --ranks $R --size mini --dtype bfloat16 \
         --prefill-len 8192 --decode-batch-per-rank $b --decode-tokens 16 --repeats 2 --out "$OUT"; done
-    run 280 python3 profiling/ep_bench.py --ranks $R --size mini --dtype bfloat16 --routing balanced \
+    run 280 python3 benchmarks/ep_bench.py --ranks $R --size mini --dtype bfloat16 --routing balanced \
         --prefill-len 8192 --decode-batch-per-rank 64 --decode-tokens 16 --repeats 2 --out "$OUT"
     ;;
   ep_flash)  # RANKS GPUs: the same on two V4-Flash-width layers (256 experts x 2048; a 26 GB checkpoint)
     R=${RANKS:-2}
-    for routing in skewed balanced; do run 550 python3 profiling/ep_bench.py --ranks $R --size flash4w \
+    for routing in skewed balanced; do run 550 python3 benchmarks/ep_bench.py --ranks $R --size flash4w \
         --dtype bfloat16 --routing $routing --prefill-len 8192 --decode-batch-per-rank 64 --decode-tokens 16 \
         --repeats 2 --out "$OUT"; done
     ;;
   single)
-    run 90 python3 profiling/structured_mask_overhead.py --device cuda --out "$OUT"
-    [[ -f profiling/spec_step_curve.py ]] && run 150 python3 profiling/spec_step_curve.py --out "$OUT"
-    run 150 python3 profiling/v41_bounded_replay.py speed --config mini --device cuda --lengths 2048,8192 \
+    run 90 python3 benchmarks/structured_mask_overhead.py --device cuda --out "$OUT"
+    [[ -f benchmarks/spec_step_curve.py ]] && run 150 python3 benchmarks/spec_step_curve.py --out "$OUT"
+    run 150 python3 benchmarks/v41_bounded_replay.py speed --config mini --device cuda --lengths 2048,8192 \
         --repeats 2 --out-dir "$OUT"
     python3 -c "
 import torch; from deepinfer.parallel.skew import mini_like_config
 from deepinfer.models.tiny import write_tiny_checkpoint
 write_tiny_checkpoint('/tmp/mini', seed=0, cfg=mini_like_config('mini'), dtype=torch.bfloat16)"
-    run 150 python3 profiling/batch_invariant_cost.py --model /tmp/mini --dtype bfloat16 --scale 0.25 --repeats 1 \
+    run 150 python3 benchmarks/batch_invariant_cost.py --model /tmp/mini --dtype bfloat16 --scale 0.25 --repeats 1 \
         --device-note h200 --out-dir "$OUT"
     ;;
   bench)
-    logged fastpath 400 python3 profiling/fastpath_bench.py --sizes mini,flash4 --budget-s 360 --out "$RES"
-    TAIL=10 logged prefill 130 python3 profiling/prefill_bench.py --out "$RES" --commit "${DEEPINFER_COMMIT:-unknown}"
+    logged fastpath 400 python3 benchmarks/fastpath_bench.py --sizes mini,flash4 --budget-s 360 --out "$RES"
+    TAIL=10 logged prefill 130 python3 benchmarks/prefill_bench.py --out "$RES" --commit "${DEEPINFER_COMMIT:-unknown}"
     pack
     ;;
   kernels)
     logged mhc_tuning 300 python3 profiling/mhc_tuning.py --out "$RES"
-    logged kernel_bench 200 python3 profiling/kernel_bench.py --only "${KERNEL_SECTIONS:-skinny,mhc}" \
+    logged kernel_bench 200 python3 benchmarks/kernel_bench.py --only "${KERNEL_SECTIONS:-skinny,mhc}" \
         --widths mini,flash --out "$RES"
     TAIL=40 logged host_b64 150 python3 profiling/spec_host_profile.py --model deepinfer-tiny --k 0 --batch 64 \
         --tokens 64 --out "$RES"
     pack
     ;;
   final)
-    logged fastpath 150 python3 profiling/fastpath_bench.py --sizes mini --budget-s 130 --out "$RES"
-    logged host_phases 100 python3 profiling/host_phases.py --size mini --batches 1,64 --tokens 128 --out "$RES"
-    TAIL=10 logged prefill 120 python3 profiling/prefill_bench.py --out "$RES" --commit "${DEEPINFER_COMMIT:-unknown}"
+    logged fastpath 150 python3 benchmarks/fastpath_bench.py --sizes mini --budget-s 130 --out "$RES"
+    logged host_phases 100 python3 benchmarks/host_phases.py --size mini --batches 1,64 --tokens 128 --out "$RES"
+    TAIL=10 logged prefill 120 python3 benchmarks/prefill_bench.py --out "$RES" --commit "${DEEPINFER_COMMIT:-unknown}"
     ;;
   quant)  # 1 GPU, ~6 min: FP8 GEMM / MoE tuning, flash4 8k prefill bf16 / FP8 (checked, w8a8 experts forced
           # in the check) / FP4 experts, the FP8 prefill profile
@@ -78,7 +78,7 @@ write_tiny_checkpoint('/tmp/mini', seed=0, cfg=mini_like_config('mini'), dtype=t
         tests/kernels/test_fused_moe_w8a8.py
     for q in bf16 fp8 fp4; do skip=check,decode,profile,hf; [[ $q == fp8 ]] && skip=decode,profile,hf
         DEEPINFER_CUDA_GRAPH_WARMUP=0 DEEPINFER_MOE_W8A8=$([[ $q == fp8 ]] && echo 1 || echo auto) \
-            logged "fastpath_flash4_$q" 150 python3 profiling/fastpath_bench.py --sizes flash4 \
+            logged "fastpath_flash4_$q" 150 python3 benchmarks/fastpath_bench.py --sizes flash4 \
             $([[ $q != bf16 ]] && echo --quantize $q) --skip $skip --out "$RES"; done
     TAIL=40 logged profile_fp8 120 python3 profiling/prefill_profile.py --size flash4 --quantize fp8 --out "$RES"
     pack
@@ -88,12 +88,12 @@ write_tiny_checkpoint('/tmp/mini', seed=0, cfg=mini_like_config('mini'), dtype=t
         tests/kernels/test_fused_moe_w8a8.py
     for v in 0:auto 0:dequant 1:dequant; do
         DEEPINFER_MOE_W8A8=${v%%:*} DEEPINFER_FP8_GEMM=${v##*:} DEEPINFER_CUDA_GRAPH_WARMUP=0 TAIL=8 \
-            logged "check_w8a8_${v%%:*}_fp8gemm_${v##*:}" 120 python3 profiling/fastpath_bench.py --sizes flash4 \
+            logged "check_w8a8_${v%%:*}_fp8gemm_${v##*:}" 120 python3 benchmarks/fastpath_bench.py --sizes flash4 \
             --quantize fp8 --skip decode,profile,hf --out "$RES/${v/:/_}"; done
     pack
     ;;
   phases)
-    logged host_phases 150 python3 profiling/host_phases.py --size mini --batches 1,64 --tokens 128 --out "$RES"
+    logged host_phases 150 python3 benchmarks/host_phases.py --size mini --batches 1,64 --tokens 128 --out "$RES"
     ;;
   host)
     for b in 1 64; do TAIL=70 logged "host_b$b" 100 python3 profiling/spec_host_profile.py --model deepinfer-tiny --k 0 \
@@ -101,11 +101,11 @@ write_tiny_checkpoint('/tmp/mini', seed=0, cfg=mini_like_config('mini'), dtype=t
     pack
     ;;
   features)
-    logged async 120 python3 profiling/async_overlap.py --size mini --batch 64 --out-dir "$RES"
+    logged async 120 python3 benchmarks/async_overlap.py --size mini --batch 64 --out-dir "$RES"
     logged invariant 140 python3 profiling/batch_invariant_gpu.py --budget-s 100 --out "$RES"
-    logged spec_curve 110 python3 profiling/spec_step_curve.py --budget-s 80 --out "$RES"
+    logged spec_curve 110 python3 benchmarks/spec_step_curve.py --budget-s 80 --out "$RES"
     logged spec_chart 100 python3 profiling/spec_decode_chart.py --time-budget 20 --batches 1,16,64 --out-dir "$RES"
-    logged v41_32k 50 python3 profiling/v41_bounded_replay.py speed --config mini --device cuda --lengths 32768 \
+    logged v41_32k 50 python3 benchmarks/v41_bounded_replay.py speed --config mini --device cuda --lengths 32768 \
         --repeats 1 --out-dir "$RES"
     pack
     ;;

@@ -1,22 +1,26 @@
-"""Sections of profiling/kernel_bench.py for the decode path's fused kernels: mHC
+"""Sections of benchmarks/kernel_bench.py for the decode path's fused kernels: mHC
 (``hc_pre``, ``hc_post_pre``, ``hc_head``), ``norm_rope`` and ``compressor_decode``, each
 checked against its torch reference on fresh random inputs and timed (eager and graphed).
 
-    python profiling/kernel_bench.py --only mhc,epilogue [--widths flash,mini]
+    python benchmarks/kernel_bench.py --only mhc,epilogue [--widths flash,mini]
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
 
-import kernel_bench as kb
-from deepinfer.models.rope import yarn_inv_freq
-from deepinfer_kernels.compressor_decode import compressor_decode, compressor_decode_ref
-from deepinfer_kernels.mhc import hc_head, hc_head_ref, hc_post_pre, hc_post_pre_ref, hc_pre, hc_pre_ref
-from deepinfer_kernels.norm_rope import norm_rope, norm_rope_ref
-from deepinfer_kernels.skinny_gemm import skinny_linear, skinny_linear_ref
+# kernel_bench (whose sections these are) is a benchmark: importable when this file is loaded alone too
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import kernel_bench as kb  # noqa: E402
+from deepinfer.models.rope import yarn_inv_freq  # noqa: E402
+from deepinfer_kernels.compressor_decode import compressor_decode, compressor_decode_ref  # noqa: E402
+from deepinfer_kernels.mhc import hc_head, hc_head_ref, hc_post_pre, hc_post_pre_ref, hc_pre, hc_pre_ref  # noqa: E402
+from deepinfer_kernels.norm_rope import norm_rope, norm_rope_ref  # noqa: E402
+from deepinfer_kernels.skinny_gemm import skinny_linear, skinny_linear_ref  # noqa: E402
 
 BF = torch.bfloat16
 DEV = "cuda"  # kernel_bench.main sets it ("cpu" for --smoke)

@@ -1,10 +1,10 @@
-"""Section ``moe_quant`` of profiling/kernel_bench.py: the routed-expert MoE on quantized
+"""Section ``moe_quant`` of benchmarks/kernel_bench.py: the routed-expert MoE on quantized
 weights (``fused_moe_fp8`` w8a16, ``fused_moe_fp4`` w4a16) against the bf16 ``fused_moe``,
 each checked against its torch reference, and the quantized ones also against the bf16
 kernel on the dequantized weights (``bf16_kernel_equal_frac``: decoding in the kernel is
 exact, so this should be ~1).
 
-    python profiling/kernel_bench.py --only moe_quant [--widths flash,mini]   (--smoke: CPU)
+    python benchmarks/kernel_bench.py --only moe_quant [--widths flash,mini]   (--smoke: CPU)
 
 Widths: E routed experts + the shared one stacked as expert E (every token's last slot,
 weight 1), as the fast path runs it; k = top-k + 1. GB/s counts the weight bytes of the
@@ -16,14 +16,18 @@ profiling/results/kernel_bench_moe_quant_h200.json, summarised in docs/measureme
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any, Callable
 
 import torch
 
-import kernel_bench as kb
-from deepinfer.models.quant import dequantize_fp4, dequantize_fp8_block, quantize_fp4, quantize_fp8_block
-from deepinfer_kernels.fused_moe import fused_moe, fused_moe_ref
-from deepinfer_kernels.fused_moe_quant import fused_moe_fp4, fused_moe_fp4_ref, fused_moe_fp8, fused_moe_fp8_ref
+# kernel_bench (whose sections these are) is a benchmark: importable when this file is loaded alone too
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import kernel_bench as kb  # noqa: E402
+from deepinfer.models.quant import dequantize_fp4, dequantize_fp8_block, quantize_fp4, quantize_fp8_block  # noqa: E402
+from deepinfer_kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
+from deepinfer_kernels.fused_moe_quant import fused_moe_fp4, fused_moe_fp4_ref, fused_moe_fp8, fused_moe_fp8_ref  # noqa: E402
 
 BF = torch.bfloat16
 DEV = "cuda"  # kernel_bench.main sets it ("cpu" for --smoke)

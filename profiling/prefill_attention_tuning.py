@@ -22,6 +22,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))  # kernel_bench is a benchmark
 
 import kernel_bench  # noqa: E402  (also makes kernels/ importable as deepinfer_kernels)
 import torch  # noqa: E402

@@ -25,6 +25,7 @@ from collections import defaultdict
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))  # fastpath_bench is a benchmark
 
 import torch  # noqa: E402
 from fastpath_bench import PrebuiltLLM, build, commit, tiny_sizes  # noqa: E402

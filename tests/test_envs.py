@@ -18,7 +18,7 @@ from deepinfer.models.bounded_replay import DEFAULT_KEEP, ReplayConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 #: where the engine, its kernels, benchmarks and scripts read variables
-READERS = ("deepinfer", "deepinfer_kernels", "profiling", "scripts", "examples", "build.sh", "Makefile")
+READERS = ("deepinfer", "deepinfer_kernels", "benchmarks", "profiling", "scripts", "examples", "build.sh", "Makefile")
 NAME = re.compile(r"\bDEEPINFER_[A-Z0-9_]+")
 
 

@@ -1,4 +1,4 @@
-"""profiling/fastpath_bench.py on CPU (--tiny: tiny shapes, the fast paths with their torch
+"""benchmarks/fastpath_bench.py on CPU (--tiny: tiny shapes, the fast paths with their torch
 references, graphs emulated, HF transformers on the same config): every phase runs and
 records what the GPU run will record."""
 
@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiling"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import fastpath_bench  # noqa: E402
 

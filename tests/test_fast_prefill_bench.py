@@ -1,4 +1,4 @@
-"""profiling/prefill_bench.py runs end to end on CPU with a tiny config (the fast path's
+"""benchmarks/prefill_bench.py runs end to end on CPU with a tiny config (the fast path's
 torch references, a chunked check batch, bf16-layout and FP8 checkpoints) and records
 its numbers; its check fails when the fast path computes something else."""
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiling"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import prefill_bench  # noqa: E402
 

@@ -216,7 +216,7 @@ def test_prefill_attention_floor_matches_reference():
 
 
 def test_v41_prefill_h200_script_tiny(tmp_path):
-    """The lead's GPU script (profiling/v41_prefill_h200.py) end to end on CPU stand-ins:
+    """The lead's GPU script (benchmarks/v41_prefill_h200.py) end to end on CPU stand-ins:
     its JSON has the commit, hardware, config and a targets list, and its checks ran the
     compiled executor (the small-budget engine on mixed steps)."""
     import json
@@ -225,7 +225,7 @@ def test_v41_prefill_h200_script_tiny(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
-    subprocess.run([sys.executable, os.path.join(root, "profiling", "v41_prefill_h200.py"), "--tiny", "--out",
+    subprocess.run([sys.executable, os.path.join(root, "benchmarks", "v41_prefill_h200.py"), "--tiny", "--out",
                     str(tmp_path)], check=True, env=env, timeout=600)
     (path,) = tmp_path.glob("v41_prefill_cpu_*.json")
     out = json.loads(path.read_text())

@@ -1,5 +1,6 @@
-"""profiling/results_index.py: every script in profiling/ is classified (benchmark, study or
-GPU check), and each benchmark's current result is a file that exists."""
+"""profiling/results_index.py: every script in benchmarks/ is a listed benchmark, every script
+in profiling/ a listed study or GPU check, and each benchmark's current result is a file that
+exists."""
 
 from __future__ import annotations
 
@@ -18,14 +19,21 @@ def _index():
     return mod
 
 
-def test_every_profiling_script_is_classified_once() -> None:
+def _scripts(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir() if p.suffix in (".py", ".sh")}
+
+
+def test_every_script_is_classified_once_by_its_folder() -> None:
     idx = _index()
     bench = [b.script for b in idx.BENCHMARKS]
-    listed = bench + list(idx.STUDIES) + list(idx.CHECKS)
+    others = list(idx.STUDIES) + list(idx.CHECKS)
+    listed = bench + others
     assert len(listed) == len(set(listed)), "a script is in two classes"
-    scripts = {p.name for p in PROFILING.iterdir() if p.suffix in (".py", ".sh")}
-    assert scripts - set(listed) == set(), f"add these to profiling/results_index.py: {sorted(scripts - set(listed))}"
-    assert set(listed) - scripts == set(), f"listed but gone: {sorted(set(listed) - scripts)}"
+    assert idx.BENCH_DIR == PROFILING.parent / "benchmarks" and idx.HERE == PROFILING
+    for folder, names, what in [(idx.BENCH_DIR, set(bench), "BENCHMARKS"), (PROFILING, set(others), "STUDIES or CHECKS")]:
+        scripts = _scripts(folder)
+        assert scripts - names == set(), f"add these to {what} in profiling/results_index.py: {sorted(scripts - names)}"
+        assert names - scripts == set(), f"listed in {what} but not in {folder.name}/: {sorted(names - scripts)}"
 
 
 def test_current_results_exist_and_the_index_names_them() -> None:
@@ -37,6 +45,7 @@ def test_current_results_exist_and_the_index_names_them() -> None:
             assert n == 0 and f"`{b.script}`" in text
             continue
         assert path.exists() and path.parent == idx.RESULTS and f"`results/{path.name}`" in text
+        assert f"| `benchmarks/{b.script}` |" in text
 
 
 def test_newest_goes_by_commit_date_and_skips_runs_keep_refuses(tmp_path) -> None:

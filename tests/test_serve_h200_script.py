@@ -1,4 +1,4 @@
-"""profiling/serve_h200.py on CPU (--tiny): offline, then a server per engine client (process,
+"""benchmarks/serve_h200.py on CPU (--tiny): offline, then a server per engine client (process,
 thread), every number and the targets list in the JSON; greedy tokens through both servers
 equal LLM.generate's (each prompt alone on both sides), and the engine's duty cycle and mean
 step time read from /metrics are real fractions / times."""
@@ -10,7 +10,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "profiling"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import serve_h200  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""profiling/spec_h200.py (issue 24's GPU measurement) in its CPU stand-in mode: it runs
+"""benchmarks/spec_h200.py (issue 24's GPU measurement) in its CPU stand-in mode: it runs
 end to end through LLM.generate on the trained default and its DSpark drafter, checks the
 batch-invariant claim and writes the JSON the lead's H200 run records (commit, hardware,
 config, per-configuration runs with effective tokens per step and acceptance per
@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiling"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import spec_h200  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""profiling/spec_draft_h200.py --tiny on the host (fast path forced with the kernels' torch
+"""benchmarks/spec_draft_h200.py --tiny on the host (fast path forced with the kernels' torch
 references, graphs emulated): it runs end to end, the graphed and eager drafts agree on
 every step, and the JSON carries commit, hardware, config and a well-formed targets list."""
 
@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_spec_draft_bench_tiny(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("spec_draft_h200", os.path.join(ROOT, "profiling",
+    spec = importlib.util.spec_from_file_location("spec_draft_h200", os.path.join(ROOT, "benchmarks",
                                                                                   "spec_draft_h200.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

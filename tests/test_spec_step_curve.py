@@ -84,7 +84,7 @@ def test_engine_verify_steps_feed_the_running_medians(profiled):
 
 
 def test_profiling_script_writes_a_curve_this_engine_finds(tmp_path):
-    """profiling/spec_step_curve.py (CPU smoke mode) -> JSON -> found again by hardware and model."""
+    """benchmarks/spec_step_curve.py (CPU smoke mode) -> JSON -> found again by hardware and model."""
     import importlib.util
     from pathlib import Path
 
@@ -92,7 +92,7 @@ def test_profiling_script_writes_a_curve_this_engine_finds(tmp_path):
 
     from deepinfer.spec.step_curve import hardware_key, model_signature
 
-    script = Path(__file__).resolve().parents[1] / "profiling" / "spec_step_curve.py"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "spec_step_curve.py"
     spec = importlib.util.spec_from_file_location("spec_step_curve_script", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

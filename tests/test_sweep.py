@@ -93,7 +93,7 @@ def test_charts_from_rows() -> None:
 
 
 def test_sweep_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("profiling_sweep_cli", REPO / "profiling" / "sweep.py")
+    spec = importlib.util.spec_from_file_location("profiling_sweep_cli", REPO / "benchmarks" / "sweep.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     rc = mod.main(["--prefill-budgets", "64", "--decode-batch-sizes", "2", "--concurrency", "", "--warmup-steps",

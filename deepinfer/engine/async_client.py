@@ -7,7 +7,7 @@
 
 The other client, `deepinfer.engine.process_client.ProcessEngineClient`, runs the core in
 its own process; `deepinfer serve --engine-client` picks one (the process is the default:
-the two are measured side by side by ``profiling/serve_h200.py``). In this one the step
+the two are measured side by side by ``benchmarks/serve_h200.py``). In this one the step
 loop and the event loop share one GIL: the engine thread drops it in every torch op and
 must win it back from the event loop's Python (HTTP, JSON, SSE), which slows each step
 when many streams are served.

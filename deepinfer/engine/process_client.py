@@ -13,7 +13,7 @@ engine process has its own interpreter: it steps as `LLM.generate` does and send
 pickled message per step (all its deltas plus an `EngineStats` snapshot) over a pipe.
 A reader thread in the server's process unpickles it and posts the deltas to their loops
 (`StreamingClient._dispatch`). Measured against the thread client by
-``profiling/serve_h200.py`` (CPU with ``--tiny``, and on an H200).
+``benchmarks/serve_h200.py`` (CPU with ``--tiny``, and on an H200).
 
 The engine sends token ids only: each stream's text is decoded here, in the reader thread
 (`IncrementalDetokenizer`, as the engine would), so detokenizing every stream every step

@@ -6,7 +6,7 @@ Every Linear the official layout stores quantized (``checkpoint_layout.storage_f
 attention / shared-expert / MTP projections in FP8 e4m3 with E8M0 block scales, routed
 experts in FP4 or FP8) gets the same bytes ``deepinfer.models.tiny.official_state_dict``
 would write for it, held as a :class:`QuantizedWeight`; its dense weight is dropped, as
-the loader drops it. Used by the GPU benchmarks (``fastpath_bench.py --quantize``).
+the loader drops it. Used by the GPU benchmarks (``benchmarks/fastpath_bench.py --quantize``).
 """
 
 from __future__ import annotations

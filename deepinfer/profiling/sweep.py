@@ -5,7 +5,7 @@
                     name="tiny-cpu", out_dir="profiling/results")
     res.df; res.paths; res.figures["prefill"]
 
-CLI: ``python profiling/sweep.py --help``. Three kinds of points, all timed with host
+CLI: ``python benchmarks/sweep.py --help``. Three kinds of points, all timed with host
 clocks from ``llm.metrics`` with the torch profiler off:
 
 * ``prefill`` (per ``max_num_batched_tokens``): workload prompts with ``max_tokens=1``;

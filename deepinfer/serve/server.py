@@ -58,7 +58,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-client", default="process", choices=["process", "thread"],
                    help="where the engine's step loop runs: its own process (default; the event loop's Python "
                    "never holds up a step) or a thread of the server's process (no pickling; shares the GIL "
-                   "with HTTP). profiling/serve_h200.py measures both")
+                   "with HTTP). benchmarks/serve_h200.py measures both")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     engine = p.add_argument_group("engine arguments (EngineConfig; unset: DEEPINFER_* or the default)")
     for name, tp, _ in _engine_fields():
@@ -104,7 +104,9 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-waiting and --max-body-bytes must be >= 1")
     if not args.gil_switch_interval_ms > 0:
         raise ValueError(f"--gil-switch-interval-ms must be > 0, got {args.gil_switch_interval_ms}")
-    # on 2 busy CPU cores, 200 streams: 39-43 output tok/s at 5 ms, 36-79 at 0.5 ms (README): not settled
+    # the engine thread drops the GIL in every small torch op and waits to get it back; a shorter
+    # interval hands it to the HTTP loop sooner. Whether that pays is not settled: the CPU runs are in
+    # README's serving section (numbers in docs/measurements.md), benchmarks/serve_h200.py decides on a GPU
     sys.setswitchinterval(args.gil_switch_interval_ms / 1000)
     logging.basicConfig(level=args.log_level.upper())
     client = make_client(args.engine_client, engine_kwargs(args), args.max_waiting)

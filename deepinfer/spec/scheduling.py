@@ -6,7 +6,7 @@ confidences. Candidates of all requests are sorted by survival (ties: shorter pr
 first, so admission stays prefix-closed) and admitted greedily; the admitted count m is
 the argmax over prefixes of expected tokens / step time, with expected tokens =
 R + sum of admitted survivals and step time T(R + m) from a profiled curve
-(`profiling/spec_step_curve.py` writes it). Pure functions: unit-tested on CPU.
+(`benchmarks/spec_step_curve.py` writes it). Pure functions: unit-tested on CPU.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class StepTimeCurve:
 
     @classmethod
     def from_profile(cls, path_or_dict) -> "StepTimeCurve":
-        """From the JSON `profiling/spec_step_curve.py` writes: rows with `batch`,
+        """From the JSON `benchmarks/spec_step_curve.py` writes: rows with `batch`,
         `verify_per_request` and `step_ms`; x = batch * verify_per_request."""
         data = path_or_dict
         if not isinstance(data, dict):

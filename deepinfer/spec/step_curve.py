@@ -4,7 +4,7 @@ In order (`curve_for_engine`, called by `deepinfer.spec.setup` when
 ``enable_mtp_varlen`` is on):
 
 1. a measured curve given as configuration: ``DEEPINFER_SPEC_STEP_CURVE`` = a
-   ``spec_step_curve_*.json`` file or a directory of them (``profiling/spec_step_curve.py``
+   ``spec_step_curve_*.json`` file or a directory of them (``benchmarks/spec_step_curve.py``
    writes them), used when its ``hardware`` and ``model_signature`` match this engine. The
    engine never looks in ``profiling/results`` by itself: results are records of past runs
    (another commit, another machine), not inputs, so an engine's behaviour does not change

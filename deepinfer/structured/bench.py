@@ -9,7 +9,7 @@ next token. Reported per step (median over steps, milliseconds): fill, apply,
 accept and their total. On a GPU, apply is measured to completion (synchronised),
 which the engine itself never does.
 
-Used by ``profiling/structured_mask_overhead.py`` and notebook 07.
+Used by ``benchmarks/structured_mask_overhead.py`` and notebook 07.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ Choices, and why:
   digit as its own token, which small models learn column arithmetic from more easily;
 * 8,192 ids by default: embedding + output head cost 2 x vocab x width parameters; at the
   trained default's width 256 (deepinfer/train/recipe.py) in bf16 that is 8.4 MB of the 32 MB
-  checkpoint, 16,384 ids would take 16.8 MB for 5% fewer tokens (measured: 3.47 -> 3.66
-  validation chars/token; 4,096 ids give 3.22). ``report.json`` records the compression.
+  checkpoint; 16,384 ids would take 16.8 MB for little more compression, 4,096 ids compress
+  clearly worse (validation chars per token of the three sizes: docs/measurements.md).
+  ``report.json`` records the compression.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The recorded expert-parallel benchmarks (``profiling/ep_bench.py`` result files) as one
+"""The recorded expert-parallel benchmarks (``benchmarks/ep_bench.py`` result files) as one
 table and one figure, for the expert placement notebook: throughput per rank, the
 max / mean rank load and the all-to-all time per step, before and after EPLB, per run.
 
@@ -65,5 +65,5 @@ def ep_bench_figure(df: pd.DataFrame):  # noqa: ANN201 - a plotly Figure (plotly
                                      showlegend=col == 1), row=1, col=col, secondary_y=True)
         fig.update_yaxes(title_text="tok/s per rank", row=1, col=col)
         fig.update_yaxes(title_text="max / mean rank load", row=1, col=col, secondary_y=True)
-    fig.update_layout(barmode="group", height=420, title="Recorded EP benchmarks (profiling/ep_bench.py)")
+    fig.update_layout(barmode="group", height=420, title="Recorded EP benchmarks (benchmarks/ep_bench.py)")
     return fig

@@ -1,6 +1,6 @@
 """Recorded GPU results of the compiled path, for the notebooks: the decode / prefill rows of
-``profiling/fastpath_bench.py`` (``fastpath_bench_h200*.json``) and
-``profiling/compiled_engine_bench.py`` (``compiled_engine_h200_*.json``) as one table, the
+``benchmarks/fastpath_bench.py`` (``fastpath_bench_h200*.json``) and
+``benchmarks/compiled_engine_bench.py`` (``compiled_engine_h200_*.json``) as one table, the
 decode trade-off (tok/s per user vs per device) and a roofline (achieved TFLOP/s against
 arithmetic intensity, under the recorded HBM and bf16 ceilings).
 

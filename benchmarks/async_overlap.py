@@ -2,8 +2,8 @@
 """Sync vs async scheduling on a decode batch: device idle between consecutive steps (as %
 of the step), host time per step and decode tok/s, from torch profiler traces.
 
-    python profiling/async_overlap.py                                  # tiny model, CPU
-    PYTHONPATH=. python3 profiling/async_overlap.py --size mini --batch 64   # one H200, < 3 min
+    python benchmarks/async_overlap.py                                  # tiny model, CPU
+    PYTHONPATH=. python3 benchmarks/async_overlap.py --size mini --batch 64   # one H200, < 3 min
 
 ``--size mini`` writes `mini` (REFERENCE.md section 5) with random bf16 weights and runs
 it on CUDA with the fast path and CUDA graphs. For each mode (one engine per mode, same
@@ -62,7 +62,7 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLM]:
         from deepinfer.models.tiny import mini_config, write_tiny_checkpoint
 
         if args.size == "mini_v41":
-            sys.path.insert(0, str(ROOT / "profiling"))
+            sys.path.insert(0, str(ROOT / "benchmarks"))
             from v41_bounded_replay import mini_v41_config as mini_config  # noqa: F811
         model = tempfile.mkdtemp(prefix=f"{args.size}_")
         write_tiny_checkpoint(model, seed=0, cfg=mini_config(), dtype=torch.bfloat16)

@@ -2,9 +2,9 @@
 speed, for `mini` (REFERENCE.md section 5, random weights) in bf16 and with FP8 e4m3
 128x128 block-scaled weights (+ FP4 routed experts, the official V4 layout), one GPU call.
 
-    python profiling/prefill_bench.py [--config mini] [--lengths 2048,8192] [--repeats 3]
+    python benchmarks/prefill_bench.py [--config mini] [--lengths 2048,8192] [--repeats 3]
                                       [--variants bf16,fp8] [--out DIR] [--commit SHA]
-    python profiling/prefill_bench.py --config tiny --lengths 64,160 --repeats 1   # CPU smoke run
+    python benchmarks/prefill_bench.py --config tiny --lengths 64,160 --repeats 1   # CPU smoke run
 
 Per variant:
 (a) check: a mixed batch (prompt lengths 1 / 100 / 700 / 2100 / 6000; the last one is
@@ -24,7 +24,8 @@ Per variant:
 (c) speed: one prompt of each length, ``max_tokens=1``, warm-up then the median of
     ``--repeats`` runs of generate() (host scheduling + sampling included): prefill tok/s,
     ms, analytic TFLOP/s (GEMMs of the active weights + attention + indexer scores) and
-    its fraction of 800 (the measured bf16 peak; FP8 rows too, for comparison); the
+    its fraction of the bf16 matmul ceiling (REFERENCE.md section 5, docs/measurements.md
+    "Ceilings"; FP8 rows too, for comparison); the
     reference path once per length; the ratio to HF transformers' numbers of REFERENCE.md.
 JSON (commit, device, config, every number) under --out/prefill_bench_<config>.json,
 then a short table. On a host without CUDA the fast path runs with the kernels' torch

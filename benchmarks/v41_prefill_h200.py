@@ -9,13 +9,14 @@ engines built over models in memory).
 2. Speed: one 8k-token prefill per mode (compiled), the reference path's compact 8k
    prefill, and V4 `mini`'s compiled 8k prefill in the same run (issue 23's target:
    V4.1 8k prefill with compact replay >= V4's).
-(Batch-invariant mode of V4.1 on the compiled executor: profiling/v41_invariant_h200.py.)
+(Batch-invariant mode of V4.1 on the compiled executor: benchmarks/invariant_compiled_bench.py
+--size mini_v41.)
 
 Writes ``v41_prefill_<hardware>_<commit>.json`` (commit, hardware, config, results,
 ``targets`` [{name, value, target, met}]) under --out (default $OUT or profiling/results),
 then prints a short table.
 
-    python3 profiling/v41_prefill_h200.py [--out DIR] [--tiny]   # --tiny: CPU stand-ins
+    python3 benchmarks/v41_prefill_h200.py [--out DIR] [--tiny]   # --tiny: CPU stand-ins
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(ROOT, "profiling", "results")  # every run's record lives there, studies' too
+sys.path.insert(0, os.path.join(ROOT, "profiling"))  # fastpath_check / fastpath_roofline: checks and studies live there
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
 os.environ.setdefault("DEEPINFER_CUDA_GRAPHS", "0")  # decode is not measured here: no graph warm-up
 
 import torch  # noqa: E402
@@ -126,7 +130,7 @@ def drop(llm) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=os.environ.get("OUT") or RESULTS)
     ap.add_argument("--tiny", action="store_true", help="CPU stand-ins (tests of this script)")
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--keep", type=int, default=140)

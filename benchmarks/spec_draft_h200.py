@@ -22,7 +22,7 @@ Writes ``spec_draft_h200_<commit>.json`` under --out (default $OUT or profiling/
 with commit, hardware, config and a ``targets`` list of {name, value, target, met}; prints
 a short table last.
 
-    python3 profiling/spec_draft_h200.py [--out DIR] [--tiny]   # --tiny: CPU stand-in (tests)
+    python3 benchmarks/spec_draft_h200.py [--out DIR] [--tiny]   # --tiny: CPU stand-in (tests)
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def step_curve(llm: LLM, cache_dir: str) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "profiling", "results"))
     ap.add_argument("--tiny", action="store_true", help="CPU stand-in: random tiny DSpark checkpoint, batches 1/2")
     ap.add_argument("--batches", default=None)
     ap.add_argument("--tokens", type=int, default=None)

@@ -29,7 +29,7 @@ client's TTFT splits into engine time and HTTP / admission / SSE time. Writes
 ``serve_h200_<commit>.json`` (commit, hardware, config, every number, a ``targets`` list of
 {name, value, target, met}) under $OUT (else profiling/results) and prints a short table.
 
-    python3 profiling/serve_h200.py [--batch 64] [--prompt-len 256] [--new 128] [--clients process,thread] [--tiny]
+    python3 benchmarks/serve_h200.py [--batch 64] [--prompt-len 256] [--new 128] [--clients process,thread] [--tiny]
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ async def server_counters(url: str) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "profiling", "results"))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new", type=int, default=128)

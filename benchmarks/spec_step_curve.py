@@ -1,8 +1,8 @@
 """Decode step time vs verify rows per request: the curve the confidence-scheduled verify
 budget loads (deepinfer/spec/step_curve.py finds the JSON by hardware + model signature).
 
-    python profiling/spec_step_curve.py            # GPU: `mini` + 1 MTP layer, bf16, random weights (~2-3 min)
-    python profiling/spec_step_curve.py --smoke    # CPU, tiny config, seconds
+    python benchmarks/spec_step_curve.py            # GPU: `mini` + 1 MTP layer, bf16, random weights (~2-3 min)
+    python benchmarks/spec_step_curve.py --smoke    # CPU, tiny config, seconds
 
 1. Greedy checks on the device, speculation on (k=3) == off token for token: tiny V4 with
    its MTP stage, tiny V4.1 with its DSpark drafter under a compact bounded replay.
@@ -31,7 +31,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.engine.request import Request  # noqa: E402
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--max-verify", type=int, default=None, help="largest verify rows per request (default 6)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per point after one warm-up (default 2)")
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop starting new points after this many seconds")
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "profiling", "results"))
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     accel = "cpu" if args.smoke or not torch.cuda.is_available() else "nvidia"

@@ -1,7 +1,7 @@
 """Structured-output mask overhead per engine step (fill + apply + accept), by batch size.
 
-    .venv/bin/python profiling/structured_mask_overhead.py                 # CPU, batches 1/16/64
-    .venv/bin/python profiling/structured_mask_overhead.py --device cuda   # on a GPU machine
+    .venv/bin/python benchmarks/structured_mask_overhead.py                 # CPU, batches 1/16/64
+    .venv/bin/python benchmarks/structured_mask_overhead.py --device cuda   # on a GPU machine
 
 Real V4 vocabulary (129,280-wide logits), a JSON Schema with nested objects, arrays,
 enums, formats and patterns (``deepinfer.structured.bench.BENCH_SCHEMA``); every row

@@ -1,9 +1,9 @@
 """Expert-parallel prefill and decode with balanced or skewed routing, before and after EPLB.
 
-    python profiling/ep_bench.py                       # CPU: 2 gloo ranks, `mini-cpu` config
-    python profiling/ep_bench.py --ranks 4 --size mini --dtype bfloat16 \
+    python benchmarks/ep_bench.py                       # CPU: 2 gloo ranks, `mini-cpu` config
+    python benchmarks/ep_bench.py --ranks 4 --size mini --dtype bfloat16 \
         --decode-batch-per-rank 256 --prefill-len 8192        # GPUs (issue 11)
-    python profiling/ep_bench.py --ranks 2 --size flash4w --routing balanced ...
+    python benchmarks/ep_bench.py --ranks 2 --size flash4w --routing balanced ...
 
 A random checkpoint (``mini``: 64 experts, ``flash4w``: two V4-Flash-width layers with 256
 experts; top-6) is written. ``--routing skewed`` (default) forces hot experts: H experts

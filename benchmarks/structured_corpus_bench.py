@@ -2,10 +2,10 @@
 and compile time p50 / p95 (issue 27's targets).
 
     # fetch the pinned corpus (HTTPS tarball, or --git-dir for a local clone), then run
-    python profiling/structured_corpus_bench.py --fetch /tmp/jsb [--git-dir CLONE.git]
-    python profiling/structured_corpus_bench.py --corpus /tmp/jsb --per-category 30 --out profiling/results/x.json
+    python benchmarks/structured_corpus_bench.py --fetch /tmp/jsb [--git-dir CLONE.git]
+    python benchmarks/structured_corpus_bench.py --corpus /tmp/jsb --per-category 30 --out profiling/results/x.json
     # CI / no corpus: the committed 30-schema sample
-    python profiling/structured_corpus_bench.py --corpus tests/data/jsonschemabench_sample
+    python benchmarks/structured_corpus_bench.py --corpus tests/data/jsonschemabench_sample
 
 Admission (deepinfer's rules, backend choice, parser; no vocabulary) runs over every schema
 of the corpus; compilation over the model's vocabulary and generation (temperature 1, one

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Run every workbench notebook unchanged on a GPU, through the compiled path, and record it.
 
-    PYTHONPATH=. python3 profiling/notebooks_gpu.py [--out DIR] [--only 01,02] [--ckpt /tmp/deepinfer-mini]
+    PYTHONPATH=. python3 benchmarks/notebooks_gpu.py [--out DIR] [--only 01,02] [--ckpt /tmp/deepinfer-mini]
 
 Each notebook runs in a fresh kernel with its tagged parameters cell overridden
 (``deepinfer.workbench.execute.run_notebook``): the engine notebooks (01-03, 06) on the
-`mini` checkpoint (random bf16 weights, written first, as profiling/mini_sweep.py does),
+`mini` checkpoint (random bf16 weights, written first, as benchmarks/mini_sweep.py does),
 07 and 08 on their own tiny models, all with ``DEVICE="nvidia"`` and ``DTYPE="bfloat16"``;
 05 gets the GPUs only when there are two or more (else its gloo ranks stay on the CPU);
 04 has no parameters cell (speculative decoding issue) and runs as it is. Correctness
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     (out / "notebooks").mkdir(parents=True, exist_ok=True)
     if not (Path(args.ckpt) / "model.safetensors.index.json").exists():
-        sys.path.insert(0, str(REPO / "profiling"))
+        sys.path.insert(0, str(REPO / "benchmarks"))
         from mini_sweep import mini_config
 
         from deepinfer.models.tiny import write_tiny_checkpoint

@@ -4,7 +4,7 @@ and one 8k prefill each, plus a greedy check of the compiled path against the re
 path on the same engine. Writes ``compiled_engine_<hardware>_<commit>.json`` with a
 ``targets`` list of {name, value, target, met}.
 
-    python3 profiling/compiled_engine_bench.py [--out DIR] [--tiny]   # --tiny: CPU stand-ins
+    python3 benchmarks/compiled_engine_bench.py [--out DIR] [--tiny]   # --tiny: CPU stand-ins
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(ROOT, "profiling", "results")  # every run's record lives there, studies' too
+sys.path.insert(0, os.path.join(ROOT, "profiling"))  # fastpath_check / fastpath_roofline: checks and studies live there
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 from fastpath_bench import (PrebuiltLLM, build, commit, decode_speed, kernel_profile, prefill_speed, release,  # noqa: E402
@@ -146,7 +149,7 @@ def targets(out: dict) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--tiny", action="store_true", help="CPU stand-ins (tests of this script)")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--sizes", default="v4_mini,v41_mini")

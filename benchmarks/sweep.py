@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The batch sweep CLI (DeepInfer users know it as the sweep script).
 
-    python profiling/sweep.py                                   # tiny model on CPU, < 2 min
-    python profiling/sweep.py --model /ckpt --dtype bfloat16 --max-model-len 4096 \\
+    python benchmarks/sweep.py                                   # tiny model on CPU, < 2 min
+    python benchmarks/sweep.py --model /ckpt --dtype bfloat16 --max-model-len 4096 \\
         --workload datasets/workloads/mini_chat.jsonl --prefill-budgets 1024,2048,4096,8192 \\
         --decode-batch-sizes 1,4,16,64 --concurrency 8,32 --name mini-h200
 
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra LLM(...) argument, repeatable (e.g. enable_prefix_caching=false)")
     p.add_argument("--name", default=None, help="result file stem (default: model-device-timestamp)")
-    p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--out-dir", default=str(Path(__file__).resolve().parents[1] / "profiling" / "results"))
     p.add_argument("--time-budget", type=float, default=None, help="skip points not started after this many s")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--png", action="store_true", help="also write the charts as PNG (kaleido + a system chromium)")

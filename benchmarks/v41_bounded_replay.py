@@ -2,9 +2,9 @@
 """SWA bounded replay on DeepSeek-V4.1: what it saves (prefill tok/s, off vs compact) and
 what it costs (next-token KL and greedy agreement against full replay).
 
-    python profiling/v41_bounded_replay.py speed                       # tiny V4.1, CPU, 2k / 8k
-    python profiling/v41_bounded_replay.py speed --config mini --device cuda --lengths 2048,8192,32768
-    python profiling/v41_bounded_replay.py quality                     # tiny V4.1, CPU, 64 new tokens
+    python benchmarks/v41_bounded_replay.py speed                       # tiny V4.1, CPU, 2k / 8k
+    python benchmarks/v41_bounded_replay.py speed --config mini --device cuda --lengths 2048,8192,32768
+    python benchmarks/v41_bounded_replay.py quality                     # tiny V4.1, CPU, 64 new tokens
 
 `speed`: one request's prefill through the model (the engine's default 8192-token chunks),
 warm-up then the median of --repeats runs; tok/s = prompt tokens / prefill seconds. Also

@@ -1,7 +1,7 @@
 """The GPU fast path vs the reference path and HF transformers, in one GPU call.
 
-    PYTHONPATH=. python3 profiling/fastpath_bench.py [--sizes mini,flash4] [--out DIR] [--budget-s 450]
-    python profiling/fastpath_bench.py --tiny          # CPU: tiny shapes, torch references (tests)
+    PYTHONPATH=. python3 benchmarks/fastpath_bench.py [--sizes mini,flash4] [--out DIR] [--budget-s 450]
+    python benchmarks/fastpath_bench.py --tiny          # CPU: tiny shapes, torch references (tests)
 
 For each size (``mini`` = REFERENCE.md section 5, 1.17B params; ``flash4`` = V4-Flash
 widths, 4 layers, 27.4B params), a random bf16 model is built directly on the GPU (no
@@ -38,8 +38,11 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(ROOT, "profiling", "results")  # every run's record lives there, studies' too
+sys.path.insert(0, os.path.join(ROOT, "profiling"))  # fastpath_check / fastpath_roofline: checks and studies live there
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
@@ -334,7 +337,7 @@ def table(out: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="mini,flash4")
-    parser.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results")))
+    parser.add_argument("--out", default=os.environ.get("OUT", RESULTS))
     parser.add_argument("--budget-s", type=float, default=450.0, help="skip phases past this much wall time")
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny shapes, torch-reference kernels")
     parser.add_argument("--no-hf", action="store_true")

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Throughput cost of batch-invariant mode: the same fixed workload with the mode off and on.
 
-    .venv/bin/python profiling/batch_invariant_cost.py                     # tiny model, CPU
-    .venv/bin/python profiling/batch_invariant_cost.py --vocab 512         # small-vocab tiny model
-    .venv/bin/python profiling/batch_invariant_cost.py --model /ckpt --dtype bfloat16 --device-note h200
+    .venv/bin/python benchmarks/batch_invariant_cost.py                     # tiny model, CPU
+    .venv/bin/python benchmarks/batch_invariant_cost.py --vocab 512         # small-vocab tiny model
+    .venv/bin/python benchmarks/batch_invariant_cost.py --model /ckpt --dtype bfloat16 --device-note h200
 
 Two workloads (seeded, identical for both modes): ``prefill`` (long prompts, 1 new token)
 and ``decode`` (short prompts, many new tokens), sampled at temperature 1 with fixed
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      max_model_len=1024, max_num_batched_tokens=args.max_num_batched_tokens) for inv in (False, True)}
     for llm in llms.values():  # warm-up
         llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=2), use_tqdm=False)
-    meta = run_metadata(llms[False], script="profiling/batch_invariant_cost.py", workloads=WORKLOADS,
+    meta = run_metadata(llms[False], script="benchmarks/batch_invariant_cost.py", workloads=WORKLOADS,
                         scale=args.scale, repeats=args.repeats, device_note=args.device_note,
                         kernels={f"{k}@{d}": v for (k, d), v in registered_kernels().items()})
     meta["engine_config"].pop("batch_invariant", None)  # rows say which

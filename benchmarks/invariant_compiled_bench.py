@@ -13,9 +13,9 @@ DEEPINFER_FAST_PREFILL=0) on a few short prompts. Then timing: decode at batch 1
 ``invariant_compiled_<hardware>_<commit>.json`` under --out (default $OUT or
 profiling/results) with a ``targets`` list of {name, value, target, met}.
 
-    python3 profiling/invariant_compiled_bench.py [--out DIR] [--tiny] [--size mini|mini_v41]
+    python3 benchmarks/invariant_compiled_bench.py [--out DIR] [--tiny] [--size mini|mini_v41]
 
-``--size mini_v41``: DeepSeek-V4.1 at `mini` widths (profiling/v41_bounded_replay.py's
+``--size mini_v41``: DeepSeek-V4.1 at `mini` widths (benchmarks/v41_bounded_replay.py's
 ``mini_v41_config``; V4.1's compiled prefill / mixed steps run the mode's rows too:
 v41/fast/prefill.py), written as ``invariant_compiled_v41_<hardware>_<commit>.json``.
 """
@@ -31,8 +31,11 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(ROOT, "profiling", "results")  # every run's record lives there, studies' too
+sys.path.insert(0, os.path.join(ROOT, "profiling"))  # fastpath_check / fastpath_roofline: checks and studies live there
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 from fastpath_bench import PrebuiltLLM, build, commit, decode_speed, prefill_speed, sync  # noqa: E402
@@ -127,7 +130,7 @@ def timing(model, cfg_dir: str, invariant: bool, costs: ModelCosts, args) -> dic
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=os.environ.get("OUT") or RESULTS)
     ap.add_argument("--tiny", action="store_true", help="CPU stand-in (a test of this script)")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--new-tokens", type=int, default=64)

@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """Write the `mini` DeepSeek-V4 checkpoint (REFERENCE.md section 5) and sweep it.
 
-    python profiling/mini_sweep.py --ckpt /tmp/mini --name mini-h200 --out-dir profiling/results
+    python benchmarks/mini_sweep.py --ckpt /tmp/mini --name mini-h200 --out-dir profiling/results
 
 `mini` = hidden 1024, 8 layers, 16 heads x 512, q_lora 512, o_groups 4, o_lora 256,
 64 experts x 512 top-6, indexer 16 x 128 top-512, window 128, vocab 129,280 (1.17B
 parameters, no MTP stage; random weights, bf16). Layer schedule as transformers' default: 2 x HCA, then
 HCA/CSA alternating; 3 hash-routed MoE layers. Every argument this script does not know
-goes to profiling/sweep.py, whose defaults here are the GPU sweep of the results folder.
+goes to benchmarks/sweep.py, whose defaults here are the GPU sweep of the results folder.
 ``--smoke`` shrinks the widths so the whole path can be checked on a CPU.
 """
 

@@ -1,7 +1,7 @@
 """Where a decode step's host time goes, without a profiler's overhead: wall time of the
 engine's step functions per decode step, on the `mini` config (random bf16) or a model dir.
 
-    PYTHONPATH=. python3 profiling/host_phases.py [--size mini] [--batches 1,64] [--tokens 128] [--out DIR]
+    PYTHONPATH=. python3 benchmarks/host_phases.py [--size mini] [--batches 1,64] [--tokens 128] [--out DIR]
 
 Wraps the functions below with perf_counter accumulators (nested ones overlap: `launch`
 contains `prepare` and `graph replay`), runs a greedy decode of ``--tokens`` tokens per
@@ -23,8 +23,11 @@ import time
 from collections import defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(ROOT, "profiling", "results")  # every run's record lives there, studies' too
+sys.path.insert(0, os.path.join(ROOT, "profiling"))  # fastpath_check / fastpath_roofline: checks and studies live there
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
@@ -91,7 +94,7 @@ def main() -> None:
     ap.add_argument("--size", default="mini")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results")))
+    ap.add_argument("--out", default=os.environ.get("OUT", RESULTS))
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (no graphs)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
