@@ -37,15 +37,15 @@ def test_verify_on_fast_path_equals_no_speculation(ckpt, reference, monkeypatch,
     fast = llm.runner.fast
     rows_per_request: list[int] = []
     verify = llm.runner.spec.verify_executor(llm.runner)  # the compiled verify steps
-    original = verify.forward
+    original = verify.run
 
-    def recorded(so, batch, capture=None):
-        out = original(so, batch, capture)
+    def recorded(so, batch, capture=None, greedy=False):
+        out = original(so, batch, capture, greedy)
         if out is not None:
             rows_per_request.append(max(r.num_tokens for r in so.scheduled))
         return out
 
-    verify.forward = recorded
+    verify.run = recorded
     outs = llm.generate(prompt_token_ids=mixed_prompts(), sampling_params=PARAMS, use_tqdm=False)
     assert [o.token_ids for o in outs] == reference
     assert rows_per_request and max(rows_per_request) > 1, "no verify step with drafts ran on the fast path"

@@ -132,12 +132,12 @@ def test_v41_verify_rows_on_the_fast_path(ckpt, monkeypatch, replay, graphs):
     fast, drafter = llm.runner.fast, llm.runner.spec.drafter
     rows_per_request: list[int] = []
     verify = llm.runner.spec.verify_executor(llm.runner)  # the compiled verify steps
-    original, propose = verify.forward, drafter.propose
+    original, propose = verify.run, drafter.propose
     known = {tuple(p): o.token_ids for p, o in zip(PROMPTS, ref)}
     rng = random.Random(3)
 
-    def recorded(so, batch, capture=None):
-        out = original(so, batch, capture)
+    def recorded(so, batch, capture=None, greedy=False):
+        out = original(so, batch, capture, greedy)
         if out is not None:
             rows_per_request.append(max(r.num_tokens for r in so.scheduled))
         return out
@@ -151,7 +151,7 @@ def test_v41_verify_rows_on_the_fast_path(ckpt, monkeypatch, replay, graphs):
                 d.tokens = (known[tuple(req.prompt_token_ids)][done: done + j] + d.tokens[j:])[: len(d.tokens)]
         return out
 
-    verify.forward, drafter.propose = recorded, mostly_right
+    verify.run, drafter.propose = recorded, mostly_right
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=sp, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]

@@ -151,6 +151,9 @@ def test_verify_graphs_warmed_sealed_and_equal_to_no_speculation(ckpt, reference
     assert [o.token_ids for o in outs] == reference
     assert fast.graphs.captured == captured, "a graph was captured while serving"
     assert verify.counts["graph_steps"] > 0 and fast.graphs.stats["uncaptured_steps"] == 0
+    # all-greedy requests: decode-like verify steps verify inside the graph (the greedy lane)
+    assert verify.counts["greedy_steps"] > 0
+    assert any(key[-1] == "greedy" for key in fast.graphs.replays if key[0] == "verify")
     replayed = {key[1] for key in fast.graphs.replays if key[0] == "verify"}
     assert any(rows > 1 for rows in replayed)
     assert spec.metrics.verify_tokens_per_step > 1.0
@@ -269,10 +272,12 @@ def test_compiled_verify_accepts_what_the_reference_verify_accepts(ckpt, referen
         outs = llm.generate(prompt_token_ids=mixed_prompts(), sampling_params=PARAMS, use_tqdm=False)
         verify = spec._verify
         results[mode] = ([o.token_ids for o in outs], list(spec.metrics.accepted), list(spec.metrics.proposed),
-                         verify.counts["graph_steps"] if verify is not None else 0)
+                         verify.counts["greedy_steps"] if verify is not None else 0, [o.logprobs for o in outs])
     assert results["ref"][0] == results["0"][0] == reference
     assert results["ref"][1:3] == results["0"][1:3]
-    assert results["ref"][3] > 0 and results["0"][3] == 0  # graphs vs the reference path
+    assert results["ref"][3] > 0 and results["0"][3] == 0  # the graphs' greedy lane vs the reference path
+    for a, b in zip(results["ref"][4], results["0"][4]):  # the lane's log-probs: the emitted tokens' own
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
     assert sum(a > 0 for a in results["ref"][1]) >= 3  # accepted drafts at several positions
 
 
@@ -326,3 +331,58 @@ def test_v41_invariant_mode_speculative_greedy_equals_off_bitwise(tmp_path, monk
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     assert llm.runner.spec.metrics.mean_accepted_length > 0.5
     assert [list(o.logprobs) for o in outs] == [list(o.logprobs) for o in base]
+
+
+def test_greedy_lane_is_left_for_steps_it_cannot_verify(ckpt, reference, monkeypatch):
+    """A request that asks for top log-probs (or samples) keeps its steps off the greedy lane:
+    they verify outside the graph, with the same greedy tokens, and the lane still serves
+    steps without it."""
+    monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_WARMUP", "1")
+    llm = make_llm(ckpt, num_speculative_tokens=3, max_num_batched_tokens=64)
+    spec = llm.runner.spec
+    params = list(PARAMS)
+    params[0] = SamplingParams(temperature=0, max_tokens=params[0].max_tokens, ignore_eos=True, top_logprobs=2)
+    outs = llm.generate(prompt_token_ids=mixed_prompts(), sampling_params=params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+    assert all(len(o.top_logprobs) == len(o.token_ids) for o in outs[:1])
+    verify = spec._verify
+    assert verify.counts["graph_steps"] > verify.counts["greedy_steps"] > 0  # both kinds of step ran
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_greedy_lane_verification_equals_rejection_sampling(case, fresh_seed):
+    """The verify graphs' greedy lane (``greedy_verify_packed`` on the graph's argmax / log-prob
+    rows and the step's groups, padded rows included) accepts and emits what
+    ``rejection_sample`` does for greedy rows, on random logits and mostly-right drafts."""
+    import random
+
+    from deepinfer.engine.sampler import pack_greedy
+    from deepinfer.models.fast.verify_graphs import greedy_verify_packed
+    from deepinfer.spec.verify import greedy_verify_result
+
+    g, rng = torch.Generator().manual_seed(fresh_seed + case), random.Random(fresh_seed + case)
+    ks = [rng.randrange(0, 6) for _ in range(rng.randrange(1, 7))]
+    m = sum(k + 1 for k in ks)
+    rows = m + rng.randrange(0, 4)  # padded rows: one group each, as StepInputs lays them out
+    logits = torch.randn(rows, V, generator=g)
+    tok = logits.argmax(-1)
+    ids = torch.randint(0, V, (rows,), generator=g, dtype=torch.int32)
+    offsets, o = [], 0
+    for k in ks:
+        offsets.append(o)
+        for j in range(1, k + 1):  # draft j is mostly the argmax of the row before it
+            if rng.random() < 0.75:
+                ids[o + j] = int(tok[o + j - 1])
+        o += k + 1
+    starts = torch.tensor(offsets + list(range(m, rows)) + [rows] * (rows + 1 - len(ks) - (rows - m)),
+                          dtype=torch.int32)
+    lp = torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0]
+    got = greedy_verify_result(greedy_verify_packed(ids, pack_greedy(tok, lp), starts), offsets, ks, rows)
+    drafts = torch.cat([torch.cat([ids[s + 1:s + k + 1].long(), torch.tensor([-1])]) for s, k in zip(offsets, ks)])
+    params = SamplingTensors.from_params([SamplingParams(temperature=0)] * m, list(range(m)))
+    want = rejection_sample(logits[:m], params, ks, drafts)
+    assert got.tokens == want.tokens and got.num_accepted == want.num_accepted and got.rows == want.rows
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)

@@ -20,15 +20,14 @@ from deepinfer.engine.sampler import SamplingTensors
 from deepinfer.engine.transfer import to_device
 from deepinfer.models.bounded_replay import replay_free
 from deepinfer.models.fast.decode_graphs import BUCKETS
-from deepinfer.models.fast.verify_graphs import VerifyGraphs, verify_row_buckets, verify_shapes
-from deepinfer.models.fast.verify_graphs import SpecForward
+from deepinfer.models.fast.verify_graphs import SpecForward, VerifyGraphs, VerifyStep, verify_row_buckets, verify_shapes
 from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, phase
 
 from .drafter import Draft, DraftContext, Drafter
 from .metrics import SpecMetrics
 from .scheduling import StepTimeCurve, split_budget
 from .step_curve import OnlineStepTimeCurve
-from .verify import drafts_to_verify, rejection_sample_device
+from .verify import drafts_to_verify, greedy_verify_result, rejection_sample_device
 
 
 def forward_capture(model, batch, cache, layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -87,29 +86,39 @@ class SpecDecoder:
         fast.graphs.seal()
         return n
 
-    def _forward(self, runner, so: SchedulerOutput, batch) -> SpecForward:
+    def _forward(self, runner, so: SchedulerOutput, batch, greedy: bool = False
+                 ) -> tuple[SpecForward, VerifyStep | None]:
         """The step's final streams, the drafter's captured layer inputs and a rows -> logits
         function: decode-like steps replay the verify graphs; prompt / mixed steps, and every
         step in batch-invariant mode (the mode's rows, the decode head: bitwise what a
         non-speculative decode step gives), run the compiled prefill path; the reference
-        path runs the rest (bounded replay with a cut inside the step, other families)."""
+        path runs the rest (bounded replay with a cut inside the step, other families).
+        Second: the verify graphs' greedy-lane step (`VerifyStep`) when ``greedy`` asked for
+        it and it ran, else None."""
         model, layers = runner.model, tuple(self.drafter.target_layers)
         invariant = batch_invariant.enabled()
         # bounded replay changes nothing for rows whose windows start after the cut
         if not invariant and replay_free(so, runner.replay, model.cfg):
             verify = self.verify_executor(runner)
             hidden = dict.fromkeys(layers)
-            streams = verify.forward(so, batch, hidden if layers else None) if verify is not None else None
-            if streams is not None:
-                return streams, hidden, lambda rows: model.compute_logits(streams[rows])
+            step = verify.run(so, batch, hidden if layers else None, greedy) if verify is not None else None
+            if step is not None:
+                streams = step.streams
+                lane = step if step.greedy is not None else None
+                return (streams, hidden, lambda rows: model.compute_logits(streams[rows])), lane
         # the family's prefill executor (V4.1's includes bounded replay); without one, or one
         # without speculative steps, the reference path below runs the step
         spec_forward = getattr(runner.fast_prefill, "spec_forward", None)
         out = spec_forward(batch, layers, invariant) if spec_forward is not None else None
         if out is not None:
-            return out
+            return out, None
         streams, hidden = forward_capture(model, batch, runner.cache, layers)
-        return streams, hidden, lambda rows: model.compute_logits(streams[rows])
+        return (streams, hidden, lambda rows: model.compute_logits(streams[rows])), None
+
+    def _record(self, so: SchedulerOutput, picks: list[int], nd: list[int], res) -> None:
+        self.metrics.record(nd, res.num_accepted)
+        self.metrics.record_confidences([self.confidences.pop(so.scheduled[i].req_id, [])[:k]
+                                         for i, k in zip(picks, nd)], res.num_accepted)
 
     # ------------------------------------------------------------------ host side
     def attach(self, scheduler, structured=None) -> None:
@@ -173,14 +182,32 @@ class SpecDecoder:
             return ModelRunnerOutput(req_ids, sampled)
         with phase(PREPARE_INPUTS):
             batch = runner.build_batch(so)
+        # the verify graphs' greedy lane: acceptance inside the graph, one copy to the host
+        lane_ok = grammar is None and self.rule == "standard" and all(
+            r.needs_sample and r.num_tokens == r.num_draft_tokens + 1 and r.sampling_params.is_greedy
+            and not r.sampling_params.top_logprobs for r in so.scheduled)
         with phase(MODEL):
-            streams, hidden, logits_of = self._forward(runner, so, batch)
+            (streams, hidden, logits_of), lane = self._forward(runner, so, batch, greedy=lane_ok)
         picks = [i for i, r in enumerate(so.scheduled) if r.needs_sample]
         valid = [r.num_tokens - r.num_draft_tokens for r in so.scheduled]
         emitted: list[list[int] | None] = [None] * len(so.scheduled)
         logprobs: list[list[float]] = [[] for _ in so.scheduled]
         tops: list = [[] for _ in so.scheduled]
         any_top = any(so.scheduled[i].sampling_params.top_logprobs for i in picks)
+        if lane is not None:
+            for r in so.scheduled:
+                self.probs.pop(r.req_id, None)
+            nd = [r.num_draft_tokens for r in so.scheduled]
+            with phase(SAMPLE):
+                host = runner.copier.start([lane.greedy]).wait()
+                res = greedy_verify_result(host[0], [s.offset for s in batch.seqs], nd, lane.rows)
+            self._record(so, picks, nd, res)
+            for i in picks:
+                sampled[i] = emitted[i] = res.tokens[i]
+                logprobs[i] = res.logprobs[i]
+                valid[i] += res.num_accepted[i]
+                tops[i] = [[] for _ in res.tokens[i]]
+            picks = []  # verified above
         if picks:
             rows, params, positions, draft_ids, nd, qs = [], [], [], [], [], []
             layout = []  # (req_id, drafts) per sampled request, in row order (grammar masks)
@@ -231,9 +258,7 @@ class SpecDecoder:
                 # needs the accepted counts and tokens on the host
                 host = runner.copier.start(tensors).wait()
                 res = dv.to_result(host[0])
-            self.metrics.record(nd, res.num_accepted)
-            self.metrics.record_confidences([self.confidences.pop(so.scheduled[i].req_id, [])[:k]
-                                             for i, k in zip(picks, nd)], res.num_accepted)
+            self._record(so, picks, nd, res)
             top_ids = host[1].tolist() if any_top else None
             top_vals = host[2].tolist() if any_top else None
             for j, i in enumerate(picks):

@@ -138,7 +138,7 @@ def _verify_logits(llm, so, batch) -> torch.Tensor:
     spec = llm.runner.spec
     if spec is None:
         return llm.model.compute_logits(llm.model(batch, llm.kv_cache))
-    _, _, logits_of = spec._forward(llm.runner, so, batch)
+    (_, _, logits_of), _ = spec._forward(llm.runner, so, batch)
     return logits_of(torch.arange(batch.num_tokens, device=llm.device))
 
 

@@ -283,3 +283,22 @@ def sample_draft(logits: torch.Tensor, params: SamplingTensors, sampler: Sampler
     onehot = torch.nn.functional.one_hot(tokens, raw.shape[1]).to(q.dtype)
     q = torch.where(params.greedy.unsqueeze(1), onehot, q)
     return tokens, q
+
+
+def greedy_verify_result(host: torch.Tensor, offsets: list[int], num_drafts: list[int], rows: int) -> VerifyResult:
+    """Host lists of ``models.fast.verify_graphs.greedy_verify_packed``'s copy (the verify
+    graphs' greedy lane; its accepted runs are :func:`rejection_sample`'s for greedy rows)
+    for the requests whose groups start at ``offsets`` with ``num_drafts`` drafts each
+    (``rows``: the step's padded row count R)."""
+    packed = host[:2 * rows].view(rows, 2)
+    first = host[2 * rows:].tolist()
+    toks = packed[:, 0].tolist()
+    lps = packed[:, 1].to(torch.int32).view(torch.float32).tolist()
+    out = VerifyResult([], [], [], [])
+    for g, (start, k) in enumerate(zip(offsets, num_drafts)):
+        a = min(first[g] - start, k)
+        out.tokens.append(toks[start:start + a + 1])
+        out.num_accepted.append(a)
+        out.logprobs.append(lps[start:start + a + 1])
+        out.rows.append(list(range(start, start + a + 1)))
+    return out

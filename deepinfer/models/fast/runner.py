@@ -59,10 +59,13 @@ MAX_ROWS = 8
 class DecodeProgram:
     """A family's batched decode forward: ``logits(model, batch, cache, capture)`` -> [R, V]
     float32, ``streams(...)`` -> the final streams a speculative verify step computes its
-    logits and drafts from (None: that family's verify rows run on the reference path)."""
+    logits and drafts from (None: that family's verify rows run on the reference path),
+    ``verify(...)`` -> (those streams, the logits of every row, computed as ``logits`` does):
+    the verify graphs' greedy lane (None: verify steps take their logits outside the graph)."""
 
     logits: Any
     streams: Any = None
+    verify: Any = None
 
 
 def decode_program(model: Any) -> DecodeProgram | None:

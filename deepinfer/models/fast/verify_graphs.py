@@ -17,11 +17,18 @@ nothing is captured while serving: a step of a shape outside the set (more rows 
 largest bucket) runs eagerly on the same padded buffers and is counted
 (``graphs.stats["uncaptured_steps"]``). Padded rows repeat row 0 (its own group each), as
 in decode graphs: they write what row 0 writes.
+
+Greedy lane: a step whose requests are all greedy (no top log-probs, no grammar) and whose
+rows fit ``GREEDY_MAX_ROWS`` replays a graph that also computes every row's logits, argmax
+and log-prob and verifies the drafts (:func:`greedy_verify_packed`): the step's
+logits, sampling and acceptance then launch nothing of their own and reach the host in one
+copy. Its logits stay in the pool (R x V float32), hence the row cap.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +44,45 @@ from .runner import StepInputs
 #: (final streams [T, N, D] or V4.1's collapsed hidden [T, D], captured layer inputs,
 #: rows -> float32 logits [R, V])
 SpecForward = tuple[torch.Tensor, dict[int, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+
+
+#: Most rows of a greedy-lane verify graph: its logits stay in the graph pool (at a 129k
+#: vocabulary, 128 rows hold 66 MB), and larger steps amortise their eager launches.
+GREEDY_MAX_ROWS = 128
+
+
+@dataclass
+class VerifyStep:
+    """A decode-like verify step's outputs: the final streams (V4.1: the collapsed hidden)
+    of its real rows, and in the greedy lane ``greedy`` (:func:`greedy_verify_packed`'s
+    int64 [3R + 1] over the step's R padded rows; None off the lane)."""
+
+    streams: torch.Tensor
+    greedy: torch.Tensor | None = None
+    rows: int = 0
+
+
+def greedy_verify_packed(ids: torch.Tensor, packed: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """All-greedy verification without leaving a CUDA graph (the verify graphs' greedy lane):
+    ``ids`` [R] the step's input tokens (per request its last token, then its drafts),
+    ``packed`` [R, 2] int64 each row's (argmax, log-prob bits) (``pack_greedy`` layout),
+    ``starts`` [R + 1] int32 the request groups (``StepInputs.starts``: group g is rows
+    [starts[g], starts[g + 1]); empty groups repeat R). Returns int64 [3R + 1]: ``packed``
+    flattened, then per group the first row whose argmax is not the next draft (the group's
+    last row when every draft matches; R for an empty group). A group's emitted tokens are
+    the argmaxes of its rows up to that one: accepted drafts equal the argmax of the row
+    before them, and the first mismatch (or the bonus row) emits its own argmax, exactly
+    what ``spec.verify.rejection_sample`` gives greedy rows. Fixed shapes, no host sync."""
+    r = ids.shape[0]
+    row = torch.arange(r, device=ids.device, dtype=starts.dtype)
+    group = torch.searchsorted(starts[1:].contiguous(), row, right=True)
+    same_next = torch.zeros(r, dtype=torch.bool, device=ids.device)
+    same_next[:-1] = group[1:] == group[:-1]
+    match = same_next & (ids.roll(-1).long() == packed[:, 0])
+    stop_row = torch.where(match, torch.full_like(row, r), row).long()
+    first = torch.full((r + 1,), r, dtype=torch.int64, device=ids.device)
+    first = first.scatter_reduce(0, group.long(), stop_row, reduce="amin", include_self=True)
+    return torch.cat([packed.reshape(-1), first[:r + 1]])
 
 
 def verify_row_buckets(max_num_seqs: int, num_drafts: int) -> list[int]:
@@ -70,19 +116,33 @@ class VerifyGraphs:
         if fast.program.streams is None:
             raise ValueError("VerifyGraphs: the family's decode program has no streams() (verify rows)")
         self.fast, self.layers, self.buckets = fast, tuple(sorted(layers)), sorted(buckets)
-        self.warmed: list[tuple[int, int]] = []
+        self.warmed: list[tuple] = []  # (rows, width) and (rows, width, "greedy") captured
         #: device bytes the captured verify set took (None: not measured / not captured)
         self.graph_bytes: int | None = None
-        self.counts = {"steps": 0, "graph_steps": 0, "eager_steps": 0}
+        self.counts = {"steps": 0, "graph_steps": 0, "eager_steps": 0, "greedy_steps": 0}
 
     def _bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def _key(self, rows: int, width: int) -> tuple:
-        return ("verify", rows, width, self.layers)
+    def _key(self, rows: int, width: int, greedy: bool = False) -> tuple:
+        return ("verify", rows, width, self.layers) + (("greedy",) if greedy else ())
 
     def _body(self, meta: Any) -> tuple[torch.Tensor, dict]:
         return self.fast._streams(meta, self.layers)
+
+    @property
+    def has_greedy_lane(self) -> bool:
+        return self.fast.program.verify is not None
+
+    def _body_greedy(self, meta: Any) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        fast = self.fast
+        batch = ForwardBatch(meta.ids, meta.positions, [])
+        batch.decode = meta
+        capture = dict.fromkeys(self.layers) if self.layers else None
+        streams, logits = fast.program.verify(fast.model, batch, fast.cache, capture)
+        packed = torch.empty(logits.shape[0], 2, dtype=torch.int64, device=logits.device)
+        fast.ops.argmax_logsumexp(logits, packed=packed)
+        return streams, capture or {}, greedy_verify_packed(meta.ids, packed, meta.starts)
 
     def warmup(self, shapes: list[tuple[int, int]]) -> int:
         """Capture the graphs of ``shapes`` (largest first: the smaller reuse the pool) on
@@ -95,10 +155,13 @@ class VerifyGraphs:
         before = reserved_bytes(fast.device)
         for rows, width in shapes:
             key = self._key(rows, width)
-            if fast.graphs.has(key):
-                continue
-            fast.graphs.capture(key, fast._dummy_meta(rows, width), self._body)
-            self.warmed.append((rows, width))
+            if not fast.graphs.has(key):
+                fast.graphs.capture(key, fast._dummy_meta(rows, width), self._body)
+                self.warmed.append((rows, width))
+            greedy = self._key(rows, width, greedy=True)
+            if self.has_greedy_lane and rows <= GREEDY_MAX_ROWS and not fast.graphs.has(greedy):
+                fast.graphs.capture(greedy, fast._dummy_meta(rows, width), self._body_greedy)
+                self.warmed.append((rows, width, "greedy"))
         after = reserved_bytes(fast.device)
         if before is not None and after is not None:
             self.graph_bytes = after - before
@@ -108,6 +171,14 @@ class VerifyGraphs:
         """Final streams [T, ...] of a decode-like step (None when it is not one: the
         reference path runs it), from its graph when the shape is in the set; fills
         ``capture`` (layer id -> input streams [T, ...]) for the drafter's layers."""
+        step = self.run(so, batch, capture)
+        return None if step is None else step.streams
+
+    def run(self, so: Any, batch: ForwardBatch, capture: dict | None = None, greedy: bool = False
+            ) -> VerifyStep | None:
+        """:meth:`forward`'s step; ``greedy`` (every request greedy, no top log-probs, no
+        grammar: the caller knows) takes the greedy lane's graph when the step is graphed
+        and fits it, and then returns the verification with the streams."""
         fast = self.fast
         if not fast._decode_like(so):
             return None
@@ -127,7 +198,14 @@ class VerifyGraphs:
         meta = fast._meta(inputs, width, graphed, n)
         self.counts["steps"] += 1
         fast._counts["fast_steps"] += 1  # the fast path's step counts include its verify steps
-        if graphed:
+        lane = greedy and graphed and self.has_greedy_lane and fast.graphs.has(self._key(rows, width, greedy=True))
+        result = None
+        if lane:
+            self.counts["graph_steps"] += 1
+            self.counts["greedy_steps"] += 1
+            fast._counts["graph_steps"] += 1
+            streams, hidden, result = fast.graphs.replay(self._key(rows, width, greedy=True), meta, self._body_greedy)
+        elif graphed:
             self.counts["graph_steps"] += 1
             fast._counts["graph_steps"] += 1
             streams, hidden = fast.graphs.replay(self._key(rows, width), meta, self._body)
@@ -136,7 +214,8 @@ class VerifyGraphs:
             streams, hidden = self._body(meta)
         for i in layers:
             capture[i] = hidden[i][:n]
-        return streams[:n]
+        return VerifyStep(streams[:n], result, rows)
 
 
-__all__ = ["VerifyGraphs", "verify_row_buckets", "verify_shapes"]
+__all__ = ["GREEDY_MAX_ROWS", "VerifyGraphs", "VerifyStep", "greedy_verify_packed", "verify_row_buckets",
+           "verify_shapes"]

@@ -19,9 +19,9 @@ def prefill_executor(model: Any, cache: Any) -> Any:
 def decode_program() -> Any:
     """V4's decode forward (v4/fast/forward.py): logits, and the final streams verify steps use."""
     from ..fast.runner import DecodeProgram
-    from .fast.forward import decode_logits, decode_streams
+    from .fast.forward import decode_logits, decode_streams, decode_verify
 
-    return DecodeProgram(decode_logits, decode_streams)
+    return DecodeProgram(decode_logits, decode_streams, decode_verify)
 
 
 def dspark_stages_hidden() -> Any:

@@ -20,9 +20,9 @@ def decode_program() -> Any:
     """V4.1's decode forward (v41/fast/forward.py): logits, and the collapsed hidden verify
     steps use (V4.1's forward returns it where V4's returns streams)."""
     from ..fast.runner import DecodeProgram
-    from .fast.forward import decode_hidden_v41, decode_logits_v41
+    from .fast.forward import decode_hidden_v41, decode_logits_v41, decode_verify_v41
 
-    return DecodeProgram(decode_logits_v41, decode_hidden_v41)
+    return DecodeProgram(decode_logits_v41, decode_hidden_v41, decode_verify_v41)
 
 
 def dspark_stages_hidden() -> Any:

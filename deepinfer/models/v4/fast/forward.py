@@ -44,6 +44,15 @@ def decode_logits(model: Any, batch: ForwardBatch, cache: KVCache,
     return head_logits(model, batch.decode.ops, _head(model, batch.decode.ops, streams, prev, False))
 
 
+def decode_verify(model: Any, batch: ForwardBatch, cache: KVCache,
+                  capture: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final streams [R, N, D], float32 logits [R, V]) of every row from one pass: the
+    verify graphs' greedy lane, whose logits are then those of a decode step's graph."""
+    streams, prev = _layers(model, batch, cache, capture)
+    hidden, out = _head(model, batch.decode.ops, streams, prev, True)
+    return out, head_logits(model, batch.decode.ops, hidden)
+
+
 def decode_streams(model: Any, batch: ForwardBatch, cache: KVCache,
                    capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """The final streams [R, N, D] of every row (what ``DeepseekV4Model.forward`` returns:

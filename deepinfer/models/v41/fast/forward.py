@@ -81,6 +81,17 @@ def decode_hidden_v41(model: Any, batch: ForwardBatch, cache: KVCache,
     return batch.decode.ops.hc_collapse_norm(streams, pre, None, prev)
 
 
+def decode_verify_v41(model: Any, batch: ForwardBatch, cache: KVCache,
+                      capture: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(collapsed final hidden [R, hidden], float32 logits [R, V]) of every row from one pass:
+    the verify graphs' greedy lane, whose logits are then those of a decode step's graph."""
+    streams, pre, prev = decode_layers_v41(model, batch, cache, capture)
+    ops = batch.decode.ops
+    hidden = ops.hc_collapse_norm(streams, pre, None, prev)
+    return hidden, head_logits(model, ops, ops.hc_collapse_norm(streams, pre, (model.norm.weight, model.norm.eps),
+                                                                prev))
+
+
 def decode_logits_v41(model: Any, batch: ForwardBatch, cache: KVCache,
                       capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """Float32 logits [R, V] of every row of a decode batch."""
