@@ -213,6 +213,12 @@ def test_prefill_step_kinds_warm_on_the_engines_prefill_path(monkeypatch, fast_p
     monkeypatch.setenv("DEEPINFER_FAST_PREFILL", fast_prefill)
     cfg = EngineConfig(max_model_len=max_model_len, max_num_seqs=16, block_size=128, accelerator="cpu")
     model = _model() if family == "v4" else _v41_model()
+    real_empty = torch.empty
+
+    def garbage(*shape, **kw):  # what an uninitialised allocation may hold (V4.1's Engram reads indices)
+        t = real_empty(*shape, **kw)
+        return t.fill_(1 << 40) if not t.is_floating_point() else t.fill_(float("nan"))
+    monkeypatch.setattr(torch, "empty", garbage)
     assert warm_prefill_kinds(model, cfg, torch.device("cpu")) == ran
 
 

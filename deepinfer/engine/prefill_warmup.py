@@ -53,6 +53,16 @@ def _step(kind: tuple[tuple[int, int, bool], ...], block_size: int, groups: list
     return batch, next_block
 
 
+def _zero_tensors(cache: object) -> None:
+    """Zero every tensor of a throwaway cache (its attributes, and tensors in dict attributes).
+    Caches are allocated uninitialised, and the kinds that continue a request read rows no
+    earlier step of the warm-up wrote: V4.1's Engram reads its token history as indices."""
+    for value in vars(cache).values():
+        for t in (value.values() if isinstance(value, dict) else (value,)):
+            if isinstance(t, torch.Tensor):
+                t.zero_()
+
+
 @torch.no_grad()
 def warm_prefill_kinds(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> int:
     """Run every kind of :func:`step_kinds` once on the engine's prefill path (when it has
@@ -70,6 +80,7 @@ def warm_prefill_kinds(model: torch.nn.Module, config: EngineConfig, device: tor
     blocks = max(n for _, n in steps)
     cache = family.new_kv_cache(mcfg, dict.fromkeys(groups, blocks), bs, max(len(b.seqs) for b, _ in steps),
                                 model.dtype, device)
+    _zero_tensors(cache)
     prefill = family.prefill_executor(model, cache)  # as ModelRunner builds it
     if prefill is None:
         return 0
