@@ -61,7 +61,8 @@ def setup(llm) -> None:
         # in the runner's mode, as its own graphs are: the drafter keeps its eager, invariant
         # pass in batch-invariant mode (a captured one would run the mode's reference MoE)
         with batch_invariant.batch_invariant_mode(llm.runner.batch_invariant):
-            drafter.prepare_graphs(llm.config.max_num_seqs, fast.graphs_enabled)
+            drafter.prepare_graphs(llm.config.max_num_seqs, fast.graphs_enabled, fast=fast,
+                                   max_model_len=llm.config.max_model_len)
     # the confidence scheduler's T(verify tokens) is measured by `measure_step_curve` once the
     # verify graphs are captured (`ModelRunner.warmup`): it times the steps verification runs
     llm.runner.spec = SpecDecoder(drafter, k, varlen=llm.config.enable_mtp_varlen)

@@ -193,12 +193,13 @@ class DSparkDrafter(Drafter):
         return [pool.view(-1, *pool.shape[2:])[slots] for pool in pools]
 
     # ------------------------------------------------------------------ graphed drafting
-    def prepare_graphs(self, max_num_seqs: int, enabled: bool = True) -> bool:
+    def prepare_graphs(self, max_num_seqs: int, enabled: bool = True, fast=None, max_model_len: int = 0) -> bool:
         """Capture the draft step's graphs (one per batch bucket up to ``max_num_seqs`` and
         sampling mode, `fast/draft_graphs.py`) when the runner has the fast path's ops, the
         stages fit the fused MoE, the family has a compiled pass of its stages
         (``ModelFamily.dspark_stages_hidden``) and batch-invariant mode is off; ``enabled`` False (CUDA
-        graphs off) keeps the eager drafter. Returns whether the graphed drafter is on."""
+        graphs off) keeps the eager drafter. Returns whether the graphed drafter is on.
+        (``fast`` / ``max_model_len``: the MTP drafter's; DSpark's graphs lay out their own rows.)"""
         self.graphs = self.feature_graphs = None
         if (not enabled or self.fast_ops is None or batch_invariant.enabled() or not blocks_supported(self.stages)
                 or self.family.dspark_stages_hidden is None):

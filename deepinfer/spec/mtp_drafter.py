@@ -13,15 +13,18 @@ Draft tokens are drawn with the request's sampling settings from the DRAFT strea
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from deepinfer import batch_invariant
 from deepinfer.engine.sampler import Sampler, SamplingTensors
 from deepinfer.models.fast.forward import blocks_supported, head_hidden, run_block
+from deepinfer.models.fast.runner import MAX_ROWS
 from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
 from deepinfer.models.v4.kv_cache import GROUP_SWA, KVCache
 
 from .drafter import Draft, DraftContext, Drafter
+from .mtp_graphs import MTPStageGraphs
 from .verify import sample_draft
 
 
@@ -31,6 +34,21 @@ class MTPDrafter(Drafter):
         self.lookahead = max(0, k - 1)
         self.sampler = Sampler()
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # req_id -> (position, streams [N, D])
+        self.graphs: MTPStageGraphs | None = None  # the stage's graphed passes (prepare_graphs)
+
+    def prepare_graphs(self, max_num_seqs: int, enabled: bool = True, fast=None, max_model_len: int = 0) -> bool:
+        """Capture the stage's passes over decode-like rows (`spec/mtp_graphs.py`) when the
+        runner's fast path (``fast``) warms its graphs up at start, the stage fits the fused
+        kernels and batch-invariant mode is off; else the eager drafter. Returns whether the
+        graphed passes are on."""
+        self.graphs = None
+        if (not enabled or fast is None or self.fast_ops is None or batch_invariant.enabled()
+                or not blocks_supported([self.model.mtp[0]]) or not fast.warms_up()):
+            return False
+        graphs = MTPStageGraphs(self.model, self.cache, fast, self.k, max_num_seqs)
+        graphs.warmup(max_num_seqs, max_model_len, self.cache.block_size)
+        self.graphs = graphs
+        return True
 
     def _stage(self, prev: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``model.mtp_forward(0, ...)``; with the GPU fast path's ops the stage's mHC and MoE
@@ -52,6 +70,10 @@ class MTPDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext, k: int) -> dict[str, Draft]:
+        if self.graphs is not None and k > 0:
+            out = self._propose_graphed(ctx, k)
+            if out is not None:
+                return out
         dev = ctx.streams.device
         ids: list[int] = []
         prev: list[torch.Tensor] = []
@@ -130,3 +152,46 @@ class MTPDrafter(Drafter):
             probs = torch.stack(q_out[a]) if q_out[a] else None
             out[r.req_id] = Draft(toks_out[a], probs, conf[a])
         return out
+
+    def _propose_graphed(self, ctx: DraftContext, k: int) -> dict[str, Draft] | None:
+        """:meth:`propose` as graph replays (the catch-up over every request's valid rows, then
+        ``k - 1`` one-row passes fed on the device) and one device -> host copy, for a step
+        whose requests all continue greedily with at most ``MAX_ROWS`` valid rows, emitted a
+        token, have nothing pending and own the blocks of their drafts; None otherwise (the
+        eager path drafts, with the same rows)."""
+        B = self.cache.block_size
+        rows, ids, prev = [], [], []
+        for i, r in enumerate(ctx.scheduled):
+            seq, emitted, valid = ctx.batch.seqs[i], ctx.emitted[i], ctx.valid[i]
+            table = r.block_table[GROUP_SWA]
+            last = seq.start + valid - 1  # the position of the row whose output drafts first
+            if (not emitted or r.is_new or r.req_id in self.pending or not 1 <= valid <= MAX_ROWS
+                    or not r.sampling_params.is_greedy
+                    or any(p // B >= len(table) or table[p // B] < 0 for p in range(last + 1, last + k))):
+                return None
+            rows.append((seq.start, valid, r.block_table, r.state_slot))
+            ids.extend(list(r.token_ids[1:valid]) + emitted[-1:])
+            prev.append(ctx.streams[seq.offset: seq.offset + valid])
+        if not rows:
+            return None
+        ends = np.cumsum([m for _, m, _, _ in rows]) - 1  # each request's last row
+        out = self.graphs.run(rows, np.asarray(ids, dtype=np.int32), torch.cat(prev))
+        if out is None:
+            return None
+        streams, packed = out
+        at = torch.from_numpy(ends).to(packed.device)
+        cur_streams, cur = streams[at], packed[at]
+        picked = [cur]
+        one_row = [(p + m - 1, 1, t, s) for p, m, t, s in rows]
+        for j in range(1, k):  # draft j + 1: one position further, its own stream and draft j
+            one_row = [(p + 1, 1, t, s) for p, _, t, s in one_row]
+            out = self.graphs.run(one_row, cur[:, 0], cur_streams)
+            if out is None:
+                return None  # (no shape for it: the eager path redrafts; its KV writes are the same)
+            cur_streams, cur = out[0].clone(), out[1].clone()
+            picked.append(cur)
+        host = torch.stack(picked, dim=1).cpu()  # [R, k, 2]: the step's one copy
+        toks = host[..., 0].tolist()
+        lps = host[..., 1].to(torch.int32).view(torch.float32)
+        conf = lps.exp().tolist()
+        return {r.req_id: Draft(toks[a], None, conf[a]) for a, r in enumerate(ctx.scheduled)}
