@@ -46,7 +46,7 @@ class MTPDrafter(Drafter):
                 or not blocks_supported([self.model.mtp[0]]) or not fast.warms_up()):
             return False
         graphs = MTPStageGraphs(self.model, self.cache, fast, self.k, max_num_seqs)
-        graphs.warmup(max_num_seqs, max_model_len, self.cache.block_size)
+        graphs.warmup(max_num_seqs, max_model_len + self.k, self.cache.block_size)  # drafts reach past the last token
         self.graphs = graphs
         return True
 
