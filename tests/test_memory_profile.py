@@ -54,3 +54,23 @@ def test_device_budget_subtracts_the_measured_peak() -> None:
     assert device_kv_budget(total, free, 0.9, 6 * GIB) == budget - 6 * GIB  # profiled step + graphs
     assert device_kv_budget(total, free, 0.9, None) == budget - max(GIB, budget // 10)  # unprofiled: headroom
     assert device_kv_budget(total, free, 0.3, 6 * GIB) == 0  # nothing left: never negative
+
+
+def test_speculative_graphs_keep_their_logits_free() -> None:
+    """The graphs captured after KV sizing (verify greedy lane, MTP stage, DSpark draft step)
+    hold float32 logits of their largest buckets: those bytes come off the KV budget up front."""
+    from deepinfer.engine.memory_profile import speculative_graph_bytes
+    from deepinfer.models.tiny import tiny_dspark_config
+
+    mtp = tiny_config(vocab_size=1000, sliding_window=32)
+    dspark = tiny_dspark_config(vocab_size=1000, sliding_window=32)
+    assert speculative_graph_bytes(mtp, EngineConfig(max_num_seqs=8)) == 0  # no speculation
+    # MTP k=1, 8 requests: the verify rows top out at 16 (lane) and the catch-up at 16
+    assert speculative_graph_bytes(mtp, EngineConfig(max_num_seqs=8, num_speculative_tokens=1)) == 4 * 1000 * 32
+    # DSpark k=5: lane 48 rows; 8 blocks x (gamma logits + 5 draft distributions)
+    gamma = dspark.dspark_block_size
+    want = 4 * 1000 * (48 + 8 * (gamma + min(5, gamma)))
+    assert speculative_graph_bytes(dspark, EngineConfig(max_num_seqs=8, num_speculative_tokens=5)) == want
+    # the greedy lane stops at 128 rows; the drafter's bytes keep growing with the batch
+    big = speculative_graph_bytes(mtp, EngineConfig(max_num_seqs=256, num_speculative_tokens=1))
+    assert big == 4 * 1000 * (128 + 512)

@@ -24,6 +24,7 @@ Hosts without a device allocator to ask (CPU) return None: there the cache is si
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +39,30 @@ from deepinfer.models.registry import family_of
 #: margin over the largest graph's logits (256 rows x 129,280 float32 = 132 MB) plus its
 #: activations.
 LAZY_GRAPH_RESERVE_BYTES = 512 << 20
+
+
+def speculative_graph_bytes(model_cfg: Any, config: EngineConfig) -> int:
+    """Device bytes the speculative graph sets hold in their pools beyond the lazy reserve:
+    the float32 logits of their largest buckets (captured after the KV cache is sized, so
+    they must be kept free up front). The verify graphs' greedy lane holds up to
+    ``GREEDY_MAX_ROWS`` rows; the MTP stage's graphs a catch-up of every request's k + 1
+    rows; DSpark's draft graphs every block's gamma rows plus, in the sampling mode, the
+    draft distributions of its n drafts."""
+    from deepinfer.models.fast.decode_graphs import BUCKETS, rows_bucket
+    from deepinfer.models.fast.verify_graphs import GREEDY_MAX_ROWS, verify_row_buckets
+
+    k = config.num_speculative_tokens
+    if k <= 0:
+        return 0
+    rows = verify_row_buckets(config.max_num_seqs, k)
+    lane = max((r for r in rows if r <= GREEDY_MAX_ROWS), default=0)
+    if model_cfg.has_dspark:
+        blocks = rows_bucket(config.max_num_seqs) or BUCKETS[-1]
+        gamma = model_cfg.dspark_block_size
+        draft = blocks * (gamma + min(k, gamma))
+    else:
+        draft = rows[-1]
+    return 4 * model_cfg.vocab_size * (lane + draft)
 
 
 @dataclass(frozen=True)
@@ -102,7 +127,8 @@ def decode_graph_memory(model: torch.nn.Module, config: EngineConfig,
     if fast is None or not fast.graphs_enabled:
         return None, 0
     if config.num_speculative_tokens > 0 or not fast.warms_up():
-        return None, LAZY_GRAPH_RESERVE_BYTES if device.type == "cuda" else 0
+        lazy = LAZY_GRAPH_RESERVE_BYTES + speculative_graph_bytes(model.cfg, config)
+        return None, lazy if device.type == "cuda" else 0
     shapes = fast.warmup_shapes(config.max_num_seqs, config.max_model_len, config.block_size)
     mem = fast.probe_graph_memory(shapes)
     return mem, mem.bound(shapes)
