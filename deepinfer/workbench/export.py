@@ -69,6 +69,21 @@ def export_figure(fig: go.Figure, path: str | os.PathLike[str], width: int | Non
                            "BROWSER_PATH; HTML export needs nothing")
     os.environ.setdefault("BROWSER_PATH", browser)  # kaleido's browser lookup reads it
     quiet_browser_pipe_log()
-    fig.write_image(out, format=fmt, width=width or fig.layout.width or 900, height=height or fig.layout.height or 500,
-                    scale=scale if fmt == "png" else 1)
+    for attempt in range(RENDER_ATTEMPTS):
+        try:
+            fig.write_image(out, format=fmt, width=width or fig.layout.width or 900,
+                            height=height or fig.layout.height or 500, scale=scale if fmt == "png" else 1)
+            return out
+        except Exception as exc:  # noqa: BLE001 - only the tab's start-up race is retried
+            if not _render_script_missing(exc) or attempt == RENDER_ATTEMPTS - 1:
+                raise
     return out
+
+
+#: On a loaded machine kaleido may call its render function before the tab's script defined
+#: it ("ReferenceError: kaleido_scopes is not defined"); a fresh render then succeeds.
+RENDER_ATTEMPTS = 3
+
+
+def _render_script_missing(exc: BaseException) -> bool:
+    return type(exc).__name__ == "JavascriptError" and "is not defined" in str(exc)
