@@ -43,6 +43,18 @@ def _chromium() -> str | None:
     return None
 
 
+def shutdown_kernels(base: str, token: str) -> int:
+    """Shut every kernel of the JupyterLab server down (its sessions deleted); returns how many.
+    Closing a notebook's page leaves its kernel running, and an engine a notebook left warm
+    keeps a core busy while the next notebook runs."""
+    with urllib.request.urlopen(f"{base}/api/sessions?token={token}", timeout=10) as r:
+        sessions = json.load(r)
+    for s in sessions:
+        req = urllib.request.Request(f"{base}/api/sessions/{s['id']}?token={token}", method="DELETE")
+        urllib.request.urlopen(req, timeout=30).close()
+    return len(sessions)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

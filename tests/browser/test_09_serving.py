@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from tests.browser.conftest import shutdown_kernels
 from tests.browser.test_jupyterlab import (SHOTS, _bad_outputs, _plot_heights, _toggle, _wait_all_cells_ran,
                                            _wait_for_kernel, _wait_text)
 
@@ -57,3 +58,4 @@ def test_serving_notebook_runs_and_responds_in_jupyterlab(jupyter_lab: tuple[str
         raise
     finally:
         page.close()
+        shutdown_kernels(base, token)  # the next notebook gets the cores

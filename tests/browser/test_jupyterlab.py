@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.browser.conftest import REPO
+from tests.browser.conftest import REPO, shutdown_kernels
 
 if TYPE_CHECKING:
     from playwright.sync_api import Page
@@ -162,3 +162,4 @@ def test_notebook_runs_and_responds_in_jupyterlab(name: str, jupyter_lab: tuple[
         raise
     finally:
         page.close()
+        shutdown_kernels(base, token)  # the next notebook gets the cores
