@@ -80,6 +80,9 @@ class ModelFamily:
     #: hidden [R * gamma, D] (deepinfer/spec/dspark_drafter.py's graphed and fused drafting);
     #: None: the family's DSpark drafter stays on its reference pass
     dspark_stages_hidden: Callable[[], Callable[..., "torch.Tensor"]] | None = None
+    #: () -> the compiled attention sublayer of a plain MTP stage over decode-like rows
+    #: ((attn, x, ctx) -> out; spec/mtp_graphs.py), loaded lazily; None: MTP drafts eagerly
+    mtp_stage_attention: Callable[[], Callable[..., "torch.Tensor"]] | None = None
 
     @property
     def model_types(self) -> tuple[str, ...]:

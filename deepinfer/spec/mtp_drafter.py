@@ -21,6 +21,7 @@ from deepinfer.engine.sampler import Sampler, SamplingTensors
 from deepinfer.models.fast.forward import blocks_supported, head_hidden, run_block
 from deepinfer.models.fast.runner import MAX_ROWS
 from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
+from deepinfer.models.registry import family_of
 from deepinfer.models.v4.kv_cache import GROUP_SWA, KVCache
 
 from .drafter import Draft, DraftContext, Drafter
@@ -43,7 +44,8 @@ class MTPDrafter(Drafter):
         graphed passes are on."""
         self.graphs = None
         if (not enabled or fast is None or self.fast_ops is None or batch_invariant.enabled()
-                or not blocks_supported([self.model.mtp[0]]) or not fast.warms_up()):
+                or not blocks_supported([self.model.mtp[0]]) or not fast.warms_up()
+                or family_of(self.model.cfg).mtp_stage_attention is None):
             return False
         graphs = MTPStageGraphs(self.model, self.cache, fast, self.k, max_num_seqs)
         graphs.warmup(max_num_seqs, max_model_len + self.k, self.cache.block_size)  # drafts reach past the last token

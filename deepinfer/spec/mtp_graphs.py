@@ -5,10 +5,11 @@ its ``m`` valid rows (its last real token and its accepted drafts), so the stage
 those rows (the catch-up, up to ``k + 1`` per request) and then ``k - 1`` times over one
 row per request (its own output stream and the previous draft). Each of these passes is
 one replay here: the rows laid out as a decode step's (``fast.runner.StepInputs``: ids,
-positions, slots, request groups, block tables; the stage's window attention is the decode
-path's ``attention_decode`` over the stage's own window cache), the previous streams in a
-persistent buffer, and the stage's output streams, logits and their per-row argmax /
-log-prob (``argmax_logsumexp``) as the graph's outputs. A pass's ids may come from the
+positions, slots, request groups, block tables; the stage's window attention is the
+family's decode attention, ``ModelFamily.mtp_stage_attention``, over the stage's own
+window cache), the previous streams in a persistent buffer, and the stage's output
+streams, logits and their per-row argmax / log-prob (``argmax_logsumexp``) as the graph's
+outputs. A pass's ids may come from the
 device (the previous pass's argmax): the drafts of one step reach the host in one copy.
 
 Keys ``("mtp", rows, width)`` in a pool of the drafter's own, rows the verify row buckets
@@ -32,7 +33,7 @@ from deepinfer.models.fast.forward import head_hidden, head_logits, run_block
 from deepinfer.models.fast.runner import StepInputs
 from deepinfer.models.fast.verify_graphs import verify_row_buckets
 from deepinfer.models.paged_batch import ForwardBatch
-from deepinfer.models.v4.fast.decode import attention_decode
+from deepinfer.models.registry import family_of
 
 
 class MTPStageGraphs:
@@ -41,6 +42,7 @@ class MTPStageGraphs:
     def __init__(self, model: Any, cache: Any, fast: Any, k: int, max_num_seqs: int, stage: int = 0) -> None:
         self.model, self.cache, self.fast, self.mtp = model, cache, fast, model.mtp[stage]
         self.ops, self.groups, self.device = fast.ops, fast.groups, fast.device
+        self.attention = family_of(model.cfg).mtp_stage_attention()  # the family's decode attention
         self.buckets = verify_row_buckets(max_num_seqs, max(1, k))
         self.graphs = DecodeGraphs(self.device)
         cfg = model.cfg
@@ -72,7 +74,7 @@ class MTPStageGraphs:
         ctx = model.context(batch, self.cache)
         e = mtp.e_proj(mtp.enorm(model.embed(meta.ids)))
         streams = mtp.h_proj(mtp.hnorm(prev)) + e.unsqueeze(1)
-        streams, last = run_block(mtp, streams, None, meta.ids, ops, lambda attn, x: attention_decode(attn, x, ctx))
+        streams, last = run_block(mtp, streams, None, meta.ids, ops, lambda attn, x: self.attention(attn, x, ctx))
         h, streams = head_hidden(mtp, ops, streams, last, return_streams=True)
         logits = head_logits(model, ops, h)
         packed = torch.empty(logits.shape[0], 2, dtype=torch.int64, device=logits.device)

@@ -29,3 +29,11 @@ def dspark_stages_hidden() -> Any:
     from .fast.draft import stages_hidden_v4
 
     return stages_hidden_v4
+
+
+def mtp_stage_attention() -> Any:
+    """The MTP stage's window attention over decode-like rows: V4's decode attention
+    (v4/fast/decode.py) on the stage's own window cache (spec/mtp_graphs.py)."""
+    from .fast.decode import attention_decode
+
+    return attention_decode

@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..compiled import decode_executor
 from ..paged_batch import check_block_size
 from ..registry import ModelFamily, register_family
-from .compiled import decode_program, dspark_stages_hidden, prefill_executor
+from .compiled import decode_program, dspark_stages_hidden, mtp_stage_attention, prefill_executor
 from .config import DeepseekV4Config
 from .dspark import draft_pass
 from .kv_cache import WINDOW_GROUPS_V4, KVCache, block_bytes_v4, group_names_v4, slot_bytes_v4
@@ -35,4 +35,5 @@ FAMILY = register_family(ModelFamily(
     prefill_executor=prefill_executor,
     decode_program=decode_program,
     dspark_stages_hidden=dspark_stages_hidden,
+    mtp_stage_attention=mtp_stage_attention,
 ))
