@@ -13,11 +13,13 @@ Draft tokens are drawn with the request's sampling settings from the DRAFT strea
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from deepinfer import batch_invariant
-from deepinfer.engine.sampler import Sampler, SamplingTensors
+from deepinfer.engine.sampler import Sampler, SamplingTensors, unpack_greedy
 from deepinfer.models.fast.forward import blocks_supported, head_hidden, run_block
 from deepinfer.models.fast.runner import MAX_ROWS
 from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
@@ -193,7 +195,6 @@ class MTPDrafter(Drafter):
             cur_streams, cur = out[0].clone(), out[1].clone()
             picked.append(cur)
         host = torch.stack(picked, dim=1).cpu()  # [R, k, 2]: the step's one copy
-        toks = host[..., 0].tolist()
-        lps = host[..., 1].to(torch.int32).view(torch.float32)
-        conf = lps.exp().tolist()
-        return {r.req_id: Draft(toks[a], None, conf[a]) for a, r in enumerate(ctx.scheduled)}
+        toks, lps = unpack_greedy(host.view(-1, 2))
+        return {r.req_id: Draft(toks[a * k:(a + 1) * k], None, [math.exp(x) for x in lps[a * k:(a + 1) * k]])
+                for a, r in enumerate(ctx.scheduled)}

@@ -32,7 +32,6 @@ from deepinfer.models.fast.decode_graphs import DecodeGraphs, graph_shapes
 from deepinfer.models.fast.forward import head_hidden, head_logits, run_block
 from deepinfer.models.fast.runner import StepInputs
 from deepinfer.models.fast.verify_graphs import verify_row_buckets
-from deepinfer.models.paged_batch import ForwardBatch
 from deepinfer.models.registry import family_of
 
 
@@ -69,9 +68,7 @@ class MTPStageGraphs:
         each row's argmax and its log-prob bits)."""
         meta, prev = arg
         model, mtp, ops = self.model, self.mtp, self.ops
-        batch = ForwardBatch(meta.ids, meta.positions, [])
-        batch.decode = meta
-        ctx = model.context(batch, self.cache)
+        ctx = model.context(self.fast.batch_of(meta), self.cache)
         e = mtp.e_proj(mtp.enorm(model.embed(meta.ids)))
         streams = mtp.h_proj(mtp.hnorm(prev)) + e.unsqueeze(1)
         streams, last = run_block(mtp, streams, None, meta.ids, ops, lambda attn, x: self.attention(attn, x, ctx))
@@ -90,8 +87,7 @@ class MTPStageGraphs:
         for rows in sorted(self.buckets, reverse=True):
             for width in widths:
                 inputs, prev = self._buffers(rows, width)
-                inputs.flat.zero_()
-                inputs.starts.copy_(torch.arange(rows + 1, dtype=torch.int32, device=self.device))
+                inputs.fill_dummy()
                 prev.zero_()
                 self.graphs.capture(("mtp", rows, width), (self._meta(inputs, width, rows), prev), self._body)
                 n += 1

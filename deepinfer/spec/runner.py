@@ -206,8 +206,7 @@ class SpecDecoder:
                 sampled[i] = emitted[i] = res.tokens[i]
                 logprobs[i] = res.logprobs[i]
                 valid[i] += res.num_accepted[i]
-                tops[i] = [[] for _ in res.tokens[i]]
-            picks = []  # verified above
+            picks = []  # verified above (no top log-probs: the lane's condition)
         if picks:
             rows, params, positions, draft_ids, nd, qs = [], [], [], [], [], []
             layout = []  # (req_id, drafts) per sampled request, in row order (grammar masks)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from deepinfer.engine import rng
-from deepinfer.engine.sampler import Sampler, SamplingTensors
+from deepinfer.engine.sampler import Sampler, SamplingTensors, unpack_greedy
 
 #: Acceptance rule. "standard" is the lossless one; "ignore_q" (accept with p(d)) is a
 #: deliberately BROKEN rule that the statistical test must reject (see tests/test_spec_stats.py).
@@ -290,10 +290,8 @@ def greedy_verify_result(host: torch.Tensor, offsets: list[int], num_drafts: lis
     graphs' greedy lane; its accepted runs are :func:`rejection_sample`'s for greedy rows)
     for the requests whose groups start at ``offsets`` with ``num_drafts`` drafts each
     (``rows``: the step's padded row count R)."""
-    packed = host[:2 * rows].view(rows, 2)
+    toks, lps = unpack_greedy(host[:2 * rows].view(rows, 2))
     first = host[2 * rows:].tolist()
-    toks = packed[:, 0].tolist()
-    lps = packed[:, 1].to(torch.int32).view(torch.float32).tolist()
     out = VerifyResult([], [], [], [])
     for g, (start, k) in enumerate(zip(offsets, num_drafts)):
         a = min(first[g] - start, k)

@@ -69,14 +69,16 @@ def export_figure(fig: go.Figure, path: str | os.PathLike[str], width: int | Non
                            "BROWSER_PATH; HTML export needs nothing")
     os.environ.setdefault("BROWSER_PATH", browser)  # kaleido's browser lookup reads it
     quiet_browser_pipe_log()
-    for attempt in range(RENDER_ATTEMPTS):
+    size = {"width": width or fig.layout.width or 900, "height": height or fig.layout.height or 500,
+            "scale": scale if fmt == "png" else 1}
+    for _ in range(RENDER_ATTEMPTS - 1):
         try:
-            fig.write_image(out, format=fmt, width=width or fig.layout.width or 900,
-                            height=height or fig.layout.height or 500, scale=scale if fmt == "png" else 1)
+            fig.write_image(out, format=fmt, **size)
             return out
         except Exception as exc:  # noqa: BLE001 - only the tab's start-up race is retried
-            if not _render_script_missing(exc) or attempt == RENDER_ATTEMPTS - 1:
+            if not _render_script_missing(exc):
                 raise
+    fig.write_image(out, format=fmt, **size)  # the last attempt: its error is the caller's
     return out
 
 

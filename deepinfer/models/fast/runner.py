@@ -97,6 +97,12 @@ class StepInputs:
                   for i, g in enumerate(groups)}
         return cls(flat, flat[:rows], flat[rows:2 * rows], flat[2 * rows:3 * rows], flat[3 * rows:head], tables)
 
+    def fill_dummy(self) -> None:
+        """The warm-up's dummy step: ids 0, position 0, slot 0, block 0 for every row, one row
+        per group (a capture writes only that row, rewritten before any request reads it)."""
+        self.flat.zero_()
+        self.starts.copy_(torch.arange(self.starts.shape[0], dtype=torch.int32, device=self.flat.device))
+
 
 @dataclass
 class GraphReductions:
@@ -282,8 +288,7 @@ class FastPath:
         """A shape's persistent inputs set to the dummy step: ids 0, position 0, slot 0, block 0
         for every row, one row per group."""
         inputs = self._graph_inputs(rows, width)
-        inputs.flat.zero_()
-        inputs.starts.copy_(torch.arange(rows + 1, dtype=torch.int32, device=self.device))
+        inputs.fill_dummy()
         return self._meta(inputs, width, True, rows)
 
     def warmup(self, max_num_seqs: int, max_model_len: int, block_size: int) -> int:
@@ -348,10 +353,15 @@ class FastPath:
         return GraphMemory((rows, width), set_bytes, per_row, eager_peak, len(self.groups), tuple(shapes), leftover)
 
     # ---- execution -------------------------------------------------------------------
-    def _logits(self, meta: DecodeMeta, capture: dict | None = None) -> torch.Tensor:
+    @staticmethod
+    def batch_of(meta: DecodeMeta) -> ForwardBatch:
+        """The batch a decode program runs over the rows of ``meta``."""
         batch = ForwardBatch(meta.ids, meta.positions, [])
         batch.decode = meta
-        return self.program.logits(self.model, batch, self.cache, capture)
+        return batch
+
+    def _logits(self, meta: DecodeMeta, capture: dict | None = None) -> torch.Tensor:
+        return self.program.logits(self.model, self.batch_of(meta), self.cache, capture)
 
     def eager_logits(self, batch: ForwardBatch, capture: dict | None = None) -> torch.Tensor:
         """Logits [R, V] of a prepared step run eagerly (graphs bypassed); ``capture`` as in
@@ -359,10 +369,8 @@ class FastPath:
         return self._logits(batch.decode, capture)
 
     def _streams(self, meta: DecodeMeta, layers: tuple[int, ...]) -> tuple[torch.Tensor, dict]:
-        batch = ForwardBatch(meta.ids, meta.positions, [])
-        batch.decode = meta
         capture = dict.fromkeys(layers) if layers else None
-        return self.program.streams(self.model, batch, self.cache, capture), capture or {}
+        return self.program.streams(self.model, self.batch_of(meta), self.cache, capture), capture or {}
 
     def forward_streams(self, so: Any, batch: ForwardBatch, capture: dict | None = None) -> torch.Tensor | None:
         """Final streams [T, N, D] of a decode-like step (speculative verify: the spec runner

@@ -82,7 +82,7 @@ def greedy_verify_packed(ids: torch.Tensor, packed: torch.Tensor, starts: torch.
     stop_row = torch.where(match, torch.full_like(row, r), row).long()
     first = torch.full((r + 1,), r, dtype=torch.int64, device=ids.device)
     first = first.scatter_reduce(0, group.long(), stop_row, reduce="amin", include_self=True)
-    return torch.cat([packed.reshape(-1), first[:r + 1]])
+    return torch.cat([packed.reshape(-1), first])
 
 
 def verify_row_buckets(max_num_seqs: int, num_drafts: int) -> list[int]:
@@ -136,10 +136,8 @@ class VerifyGraphs:
 
     def _body_greedy(self, meta: Any) -> tuple[torch.Tensor, dict, torch.Tensor]:
         fast = self.fast
-        batch = ForwardBatch(meta.ids, meta.positions, [])
-        batch.decode = meta
         capture = dict.fromkeys(self.layers) if self.layers else None
-        streams, logits = fast.program.verify(fast.model, batch, fast.cache, capture)
+        streams, logits = fast.program.verify(fast.model, fast.batch_of(meta), fast.cache, capture)
         packed = torch.empty(logits.shape[0], 2, dtype=torch.int64, device=logits.device)
         fast.ops.argmax_logsumexp(logits, packed=packed)
         return streams, capture or {}, greedy_verify_packed(meta.ids, packed, meta.starts)
@@ -198,7 +196,7 @@ class VerifyGraphs:
         meta = fast._meta(inputs, width, graphed, n)
         self.counts["steps"] += 1
         fast._counts["fast_steps"] += 1  # the fast path's step counts include its verify steps
-        lane = greedy and graphed and self.has_greedy_lane and fast.graphs.has(self._key(rows, width, greedy=True))
+        lane = greedy and graphed and fast.graphs.has(self._key(rows, width, greedy=True))
         result = None
         if lane:
             self.counts["graph_steps"] += 1
