@@ -48,6 +48,8 @@ BENCHMARKS = (
     Bench("async_overlap.py", "sync vs async loop: device idle between steps, host time per step",
           ("async_overlap_*.json",)),
     Bench("host_phases.py", "host time of each engine step function per decode step", ("host_phases_mini*.json",)),
+    Bench("spec_host_phases.py", "host time of each speculative step function (verify, draft, copies) per engine step, "
+          "beside off", ("spec_host_phases_*.json",)),
     Bench("ep_bench.py", "expert parallel: tok/s per rank, rank load imbalance, all-to-all, before/after EPLB",
           ("ep_bench_*.json",)),
     Bench("spec_step_curve.py", "verify step time curve T(tokens) for DEEPINFER_SPEC_STEP_CURVE",

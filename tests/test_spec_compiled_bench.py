@@ -34,3 +34,20 @@ def test_spec_h200_tiny_writes_targets(tmp_path, capsys):
     assert res["targets"] == saved["targets"]
     printed = capsys.readouterr().out  # the short table and the targets, last
     assert "tok/s/user" in printed and ("MET " in printed or "MISS" in printed)
+
+
+def test_spec_host_phases_tiny_times_verify_and_draft(tmp_path, capsys):
+    import spec_host_phases
+
+    res = spec_host_phases.main(["--tiny", "--out", str(tmp_path), "--configs", "off,mtp-k1", "--batches", "1",
+                                 "--tokens", "4", "--top", "5"])
+    saved = json.loads(next(tmp_path.glob("spec_host_phases_*_tiny.json")).read_text())
+    assert saved == json.loads(json.dumps(res))
+    off, mtp = saved["runs"]["off b1"], saved["runs"]["mtp-k1 b1"]
+    assert off["us_per_step"].get("  verify forward", 0) == 0  # no verify step without speculation
+    # every speculative step verifies and drafts once, and those phases are part of its time
+    assert mtp["calls_per_step"]["  verify forward"] > 0.5 and mtp["calls_per_step"]["  draft (MTP)"] > 0.5
+    assert 0 < mtp["us_per_step"]["  verify forward"] + mtp["us_per_step"]["  draft (MTP)"] <= mtp["step_us"]
+    assert mtp["tokens_per_step"] >= 1.0 and len(mtp["cprofile_top"]) == 5
+    assert len(list(tmp_path.glob("spec_host_phases_mtp-k1_b1.pstats"))) == 1
+    assert "verify forward" in capsys.readouterr().out
