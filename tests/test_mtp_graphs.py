@@ -39,6 +39,8 @@ def test_graphed_mtp_drafts_what_the_eager_drafter_drafts(monkeypatch, k):
     assert graphed.graphs.graphs.stats["uncaptured_steps"] == 0  # every pass replayed a captured shape
     assert tokens == tokens0 and accepted == accepted0 and proposed == proposed0
     assert sum(accepted) > 0  # the trained stage's drafts are accepted: the drafts themselves were compared
+    if k == 1:  # greedy-lane steps draft behind the verify graph, from the verify's own argmax
+        assert graphed.graphs.stats["after_verify_passes"] > 0
 
 
 def test_sampling_steps_draft_eagerly(monkeypatch):

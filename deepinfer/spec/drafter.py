@@ -50,6 +50,19 @@ class Drafter:
     def propose(self, ctx: DraftContext, k: int) -> dict[str, Draft]:
         raise NotImplementedError
 
+    def draft_after_verify(self, so: Any, batch: ForwardBatch, streams: torch.Tensor, lane: Any
+                           ) -> torch.Tensor | None:
+        """The next step's drafts as a device tensor, launched right behind a greedy-lane
+        verify step (``lane``: its `VerifyStep`) before the verification reaches the host,
+        so that one copy carries both and the draft's host inputs are built while the
+        verify graph runs; None when this drafter drafts from the host result (`propose`).
+        `drafts_from_host` reads the copied tensor."""
+        return None
+
+    def drafts_from_host(self, so: Any, host: torch.Tensor) -> dict[str, Draft]:
+        """The drafts of `draft_after_verify`'s tensor, copied to the host."""
+        raise NotImplementedError
+
     def drop(self, req_ids: list[str]) -> None:
         """Forget per-request state of finished / preempted requests."""
 

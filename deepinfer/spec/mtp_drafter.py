@@ -20,6 +20,7 @@ import torch
 
 from deepinfer import batch_invariant
 from deepinfer.engine.sampler import Sampler, SamplingTensors, unpack_greedy
+from deepinfer.engine.transfer import to_device
 from deepinfer.models.fast.forward import blocks_supported, head_hidden, run_block
 from deepinfer.models.fast.runner import MAX_ROWS
 from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
@@ -156,6 +157,40 @@ class MTPDrafter(Drafter):
             probs = torch.stack(q_out[a]) if q_out[a] else None
             out[r.req_id] = Draft(toks_out[a], probs, conf[a])
         return out
+
+    def draft_after_verify(self, so, batch: ForwardBatch, streams: torch.Tensor, lane) -> torch.Tensor | None:
+        """k = 1 on the graphed stage: the catch-up over every verify row of every request,
+        each row fed the verify's own argmax as its next token, then each request's draft
+        read at its last accepted row, all on the device (packed [requests, 2]). Rows up to
+        the accepted run's end get exactly the tokens verification emits there; the rows
+        after it are rejected positions, rewritten by the next step's catch-up before any
+        row reads them (a row attends to positions up to its own). None (`propose` drafts
+        from the host result) unless every request continues greedily with nothing pending."""
+        if self.graphs is None or self.k != 1 or lane is None or lane.greedy is None:
+            return None
+        rows = []
+        for r, seq in zip(so.scheduled, batch.seqs):
+            if (r.is_new or r.req_id in self.pending or not r.sampling_params.is_greedy
+                    or not 1 <= seq.length <= MAX_ROWS):
+                return None
+            rows.append((seq.start, seq.length, r.block_table, r.state_slot))
+        if not rows:
+            return None
+        R, n = lane.rows, batch.num_tokens
+        out = self.graphs.run(rows, lane.greedy[:2 * R].view(R, 2)[:n, 0], streams)
+        if out is None:
+            return None
+        self.graphs.stats["after_verify_passes"] += 1
+        # greedy_verify_packed's tail: per request the first row that did not accept
+        starts_drafts = to_device([s.offset for s in batch.seqs] + [r.num_draft_tokens for r in so.scheduled],
+                                  torch.long, streams.device).view(2, -1)
+        first = lane.greedy[2 * R: 2 * R + len(rows)]
+        accepted = torch.minimum(first - starts_drafts[0], starts_drafts[1])
+        return out[1][starts_drafts[0] + accepted]
+
+    def drafts_from_host(self, so, host: torch.Tensor) -> dict[str, Draft]:
+        toks, lps = unpack_greedy(host.view(-1, 2))
+        return {r.req_id: Draft([toks[g]], None, [math.exp(lps[g])]) for g, r in enumerate(so.scheduled)}
 
     def _propose_graphed(self, ctx: DraftContext, k: int) -> dict[str, Draft] | None:
         """:meth:`propose` as graph replays (the catch-up over every request's valid rows, then

@@ -194,13 +194,17 @@ class SpecDecoder:
         logprobs: list[list[float]] = [[] for _ in so.scheduled]
         tops: list = [[] for _ in so.scheduled]
         any_top = any(so.scheduled[i].sampling_params.top_logprobs for i in picks)
+        drafted = None  # drafts launched behind the verify graph (Drafter.draft_after_verify)
         if lane is not None:
             for r in so.scheduled:
                 self.probs.pop(r.req_id, None)
             nd = [r.num_draft_tokens for r in so.scheduled]
+            early = self.drafter.draft_after_verify(so, batch, streams, lane)
             with phase(SAMPLE):
-                host = runner.copier.start([lane.greedy]).wait()
+                host = runner.copier.start([lane.greedy] + ([early] if early is not None else [])).wait()
                 res = greedy_verify_result(host[0], [s.offset for s in batch.seqs], nd, lane.rows)
+            if early is not None:
+                drafted = self.drafter.drafts_from_host(so, host[1])
             self._record(so, picks, nd, res)
             for i in picks:
                 sampled[i] = emitted[i] = res.tokens[i]
@@ -271,6 +275,7 @@ class SpecDecoder:
                     tops[i] = [list(zip(a[:kt], b[:kt])) for a, b in zip(top_ids[j][:n_out], top_vals[j][:n_out])]
                 else:
                     tops[i] = [[] for _ in res.tokens[j]]
-        ctx = DraftContext(batch, streams, hidden, so.scheduled, valid, emitted)
-        self.drafts = self.drafter.propose(ctx, self.k)
+        if drafted is None:
+            drafted = self.drafter.propose(DraftContext(batch, streams, hidden, so.scheduled, valid, emitted), self.k)
+        self.drafts = drafted
         return ModelRunnerOutput(req_ids, sampled, logprobs, tops if any_top else None)
