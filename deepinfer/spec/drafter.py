@@ -50,8 +50,8 @@ class Drafter:
     def propose(self, ctx: DraftContext, k: int) -> dict[str, Draft]:
         raise NotImplementedError
 
-    def draft_after_verify(self, so: Any, batch: ForwardBatch, streams: torch.Tensor, lane: Any
-                           ) -> torch.Tensor | None:
+    def draft_after_verify(self, so: Any, batch: ForwardBatch, streams: torch.Tensor,
+                           hidden: dict[int, torch.Tensor], lane: Any) -> torch.Tensor | None:
         """The next step's drafts as a device tensor, launched right behind a greedy-lane
         verify step (``lane``: its `VerifyStep`) before the verification reaches the host,
         so that one copy carries both and the draft's host inputs are built while the

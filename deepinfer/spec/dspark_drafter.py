@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.engine.sampler import Sampler, SamplingTensors
+from deepinfer.engine.transfer import to_device
 from deepinfer.models.bounded_replay import batch_cuts
 import numpy as np
 
@@ -213,6 +214,7 @@ class DSparkDrafter(Drafter):
         template = np.zeros(cols, dtype=np.int64)
         template[3], template[4] = 1, _float_bits(1.0)  # greedy at temperature 1, position 0, slot 0
         graphs.warmup(template)
+        graphs.stats["after_verify_steps"] = 0  # draft_after_verify's blocks
         self.graphs = graphs
         # feature writes: up to every request's token and drafts of a verify step per graph
         dev = self.model.embed.weight.device
@@ -247,6 +249,57 @@ class DSparkDrafter(Drafter):
         packed, q = self.graphs.run(rows, all(sp.is_greedy for sp in params))
         toks, confs = unpack_block(packed, n)
         return [Draft(toks[r], q[r] if q is not None else None, confs[r]) for r in range(len(toks))]
+
+    @torch.no_grad()
+    def draft_after_verify(self, so, batch, streams: torch.Tensor, hidden, lane) -> torch.Tensor | None:
+        """A greedy-lane step's feature writes and draft blocks on the device, launched
+        before the verification reaches the host (packed [requests, C]). Features are
+        written for every verify row: the rows past a request's accepted run are rejected
+        positions, rewritten by the next step's writes before a block reads them (a block
+        reads the positions up to its last token's). Each block's inputs are built on the
+        host for every possible accepted count and picked on the device: last token = the
+        verify's argmax at the accepted run's end, last position = start + accepted, its
+        context slots a window shifted by the accepted count. None (`propose` drafts) off
+        the graphed drafter or when a request's rows are cut by bounded replay."""
+        n_draft = min(self.k, self.gamma)
+        if (self.graphs is None or self.feature_graphs is None or lane is None or lane.greedy is None
+                or n_draft != self._n_graph or n_draft <= 0 or not so.scheduled):
+            return None
+        W, per_block = self.cfg.sliding_window, self._rows_per_block()
+        most = max(r.num_draft_tokens for r in so.scheduled)
+        ext = np.empty((len(so.scheduled), N_COLS + W - 1 + most), dtype=np.int64)
+        positions, slots = [], []
+        for g, (r, seq, cut) in enumerate(zip(so.scheduled, batch.seqs, batch_cuts(batch))):
+            if cut > seq.start or not r.sampling_params.is_greedy:
+                return None
+            table = seq.block_table[GROUP_SWA]
+            positions.append(seq.start + np.arange(seq.length))
+            slots.append(paged_slots(table, seq.start, seq.length, per_block))
+            ctx = seq.start + (2 - W) + np.arange(W - 1 + most)  # the window of accepted count 0, then further
+            valid = (ctx >= 0) & (ctx < seq.start + seq.length)
+            ext[g, N_COLS:] = paged_slots(table, int(ctx[0]), W - 1 + most, per_block, valid=valid)
+            ext[g, :N_COLS] = (0, seq.start, rng.seed_to_int64(r.sampling_params.seq_seed), 1, _float_bits(1.0))
+        dev = streams.device
+        self.feature_graphs.run(self._target_features(hidden, torch.arange(batch.num_tokens, device=dev)),
+                                np.concatenate(positions), np.concatenate(slots))
+        R, G = lane.rows, len(so.scheduled)
+        meta = to_device([s.offset for s in batch.seqs] + [r.num_draft_tokens for r in so.scheduled],
+                         torch.long, dev).view(2, G)
+        accepted = torch.minimum(lane.greedy[2 * R: 2 * R + G] - meta[0], meta[1])
+        ext_t = torch.from_numpy(ext).to(dev)
+        inp = torch.cat([ext_t[:, :N_COLS], ext_t[:, N_COLS:].gather(
+            1, accepted[:, None] + torch.arange(W - 1, device=dev))], dim=1)
+        inp[:, 0] = lane.greedy[:2 * R].view(R, 2)[meta[0] + accepted, 0]
+        inp[:, 1] += accepted
+        out = self.graphs.run_device(inp, True)
+        if out is None:
+            return None
+        self.graphs.stats["after_verify_steps"] += 1
+        return out[0]
+
+    def drafts_from_host(self, so, host: torch.Tensor) -> dict[str, Draft]:
+        toks, confs = unpack_block(host.tolist(), self._n_graph)
+        return {r.req_id: Draft(toks[g], None, confs[g]) for g, r in enumerate(so.scheduled)}
 
     @torch.no_grad()
     def draft(self, logits: torch.Tensor, h: torch.Tensor, last_tokens: list[int], last_pos: list[int],

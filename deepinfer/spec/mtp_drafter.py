@@ -158,7 +158,7 @@ class MTPDrafter(Drafter):
             out[r.req_id] = Draft(toks_out[a], probs, conf[a])
         return out
 
-    def draft_after_verify(self, so, batch: ForwardBatch, streams: torch.Tensor, lane) -> torch.Tensor | None:
+    def draft_after_verify(self, so, batch: ForwardBatch, streams: torch.Tensor, hidden, lane) -> torch.Tensor | None:
         """k = 1 on the graphed stage: the catch-up over every verify row of every request,
         each row fed the verify's own argmax as its next token, then each request's draft
         read at its last accepted row, all on the device (packed [requests, 2]). Rows up to

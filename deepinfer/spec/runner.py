@@ -199,7 +199,7 @@ class SpecDecoder:
             for r in so.scheduled:
                 self.probs.pop(r.req_id, None)
             nd = [r.num_draft_tokens for r in so.scheduled]
-            early = self.drafter.draft_after_verify(so, batch, streams, lane)
+            early = self.drafter.draft_after_verify(so, batch, streams, hidden, lane)
             with phase(SAMPLE):
                 host = runner.copier.start([lane.greedy] + ([early] if early is not None else [])).wait()
                 res = greedy_verify_result(host[0], [s.offset for s in batch.seqs], nd, lane.rows)

@@ -85,12 +85,29 @@ class DraftGraphs:
         full[:r], full[r:] = rows, rows[0]
         inp = self._inputs[b]
         inp.copy_(torch.from_numpy(full))
+        packed, q = self._replay(b, r, greedy_only)
+        return packed.tolist(), q
+
+    def run_device(self, rows: torch.Tensor, greedy_only: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """:meth:`run` on rows built on the device [R, cols]: (packed [R, C] on the device, q),
+        nothing read back; None past the largest bucket (the caller drafts from the host)."""
+        r = rows.shape[0]
+        b = rows_bucket(r)
+        if r < 1 or b is None or b not in self._inputs:
+            return None
+        inp = self._inputs[b]
+        inp[:r].copy_(rows)
+        if b > r:
+            inp[r:].copy_(rows[:1].expand(b - r, -1))
+        return self._replay(b, r, greedy_only)
+
+    def _replay(self, b: int, r: int, greedy_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         mode = "greedy" if greedy_only else "sample"
-        packed, q = self.graphs.replay((b, mode), inp, self._fn(greedy_only))
+        packed, q = self.graphs.replay((b, mode), self._inputs[b], self._fn(greedy_only))
         self.stats["graph_steps"] += 1
         # q is a graph output the next replay rewrites: the verify step reads it after that
         # may have happened (async scheduling), so the requests get their own copy
-        return packed[:r].tolist(), (q[:r].clone() if q is not None else None)
+        return packed[:r], (q[:r].clone() if q is not None else None)
 
 
 class FeatureGraphs:
