@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.engine.sampler import Sampler, SamplingTensors
-from deepinfer.engine.transfer import to_device
+from deepinfer.engine.transfer import copy_to_device, to_device
 from deepinfer.models.bounded_replay import batch_cuts
 import numpy as np
 
@@ -113,7 +113,7 @@ class DSparkDrafter(Drafter):
         dev = ctx.streams.device
         flat = np.concatenate([paged_slots(t, start, n, self._rows_per_block()) for t, start, n in tables])
         if self.feature_graphs is not None:  # the projections and every stage's write in one replay
-            rows_t = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(dev)
+            rows_t = to_device(rows, torch.long, dev)
             self.feature_graphs.run(self._target_features(ctx.hidden, rows_t), positions, flat)
             return
         main_x = self.features(ctx.hidden, torch.tensor(rows, device=dev))
@@ -286,7 +286,8 @@ class DSparkDrafter(Drafter):
         meta = to_device([s.offset for s in batch.seqs] + [r.num_draft_tokens for r in so.scheduled],
                          torch.long, dev).view(2, G)
         accepted = torch.minimum(lane.greedy[2 * R: 2 * R + G] - meta[0], meta[1])
-        ext_t = torch.from_numpy(ext).to(dev)
+        ext_t = torch.empty(ext.shape, dtype=torch.int64, device=dev)
+        copy_to_device(ext_t, ext)  # staged: a pageable copy would wait for the verify graph
         inp = torch.cat([ext_t[:, :N_COLS], ext_t[:, N_COLS:].gather(
             1, accepted[:, None] + torch.arange(W - 1, device=dev))], dim=1)
         inp[:, 0] = lane.greedy[:2 * R].view(R, 2)[meta[0] + accepted, 0]

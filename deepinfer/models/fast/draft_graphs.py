@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from deepinfer.engine.transfer import copy_to_device
+
 from .decode_graphs import BUCKETS, DecodeGraphs, rows_bucket
 
 MODES = ("greedy", "sample")
@@ -84,7 +86,7 @@ class DraftGraphs:
         full = np.empty((b, self.cols), dtype=np.int64)
         full[:r], full[r:] = rows, rows[0]
         inp = self._inputs[b]
-        inp.copy_(torch.from_numpy(full))
+        copy_to_device(inp, full)  # staged: a pageable copy would wait for the stream
         packed, q = self._replay(b, r, greedy_only)
         return packed.tolist(), q
 
@@ -153,7 +155,7 @@ class FeatureGraphs:
             return
         full = np.empty((2, n), dtype=np.int64)
         full[:, :t], full[:, t:] = ints, ints[:, :1]
-        self._ints[n].copy_(torch.from_numpy(full))
+        copy_to_device(self._ints[n], full)
         buf = self._x[n]
         buf[:t].copy_(x)
         buf[t:].copy_(x[:1].expand(n - t, -1))
