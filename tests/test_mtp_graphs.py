@@ -39,8 +39,9 @@ def test_graphed_mtp_drafts_what_the_eager_drafter_drafts(monkeypatch, k):
     assert graphed.graphs.graphs.stats["uncaptured_steps"] == 0  # every pass replayed a captured shape
     assert tokens == tokens0 and accepted == accepted0 and proposed == proposed0
     assert sum(accepted) > 0  # the trained stage's drafts are accepted: the drafts themselves were compared
-    if k == 1:  # greedy-lane steps draft behind the verify graph, from the verify's own argmax
-        assert graphed.graphs.stats["after_verify_passes"] > 0
+    # greedy-lane steps draft behind the verify graph, from the verify's own argmax (k = 3: the
+    # later passes at positions shifted by the accepted count on the device)
+    assert graphed.graphs.stats["after_verify_passes"] > 0
 
 
 def test_sampling_steps_draft_eagerly(monkeypatch):
@@ -48,3 +49,38 @@ def test_sampling_steps_draft_eagerly(monkeypatch):
     drafter, tokens, _, proposed = _run(monkeypatch, "1", 2, params=sampled)
     assert drafter.graphs is not None and drafter.graphs.stats["graph_passes"] == 0
     assert all(len(t) == 12 for t in tokens) and sum(proposed) > 0  # the eager drafter drafted
+
+
+def _recorded_run(monkeypatch, after_verify: bool):
+    monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_WARMUP", "1")
+    llm = LLM(trained_model_dir(), dtype="float32", max_model_len=256, max_num_seqs=4, num_speculative_tokens=3,
+              max_num_batched_tokens=64)
+    spec = llm.runner.spec
+    if not after_verify:
+        monkeypatch.setattr(spec.drafter, "draft_after_verify", lambda *args: None)
+    steps, attach = [], spec.attach
+
+    def recording_attach(scheduler, structured=None):
+        steps.append({rid: (d.tokens, d.confidences) for rid, d in spec.drafts.items()})
+        attach(scheduler, structured)
+
+    monkeypatch.setattr(spec, "attach", recording_attach)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return spec, [o.token_ids for o in outs], steps
+
+
+def test_drafts_behind_the_verify_graph_equal_host_drafts(monkeypatch):
+    """k = 3: every step's drafts and their confidences (the stage's log-probs, which see
+    positions and the stage's window cache) equal the host path's, the same output."""
+    spec, tokens, steps = _recorded_run(monkeypatch, after_verify=True)
+    spec0, tokens0, steps0 = _recorded_run(monkeypatch, after_verify=False)
+    assert spec.drafter.graphs.stats["after_verify_passes"] > 0 == spec0.drafter.graphs.stats["after_verify_passes"]
+    assert tokens == tokens0 and list(spec.metrics.accepted) == list(spec0.metrics.accepted)
+    assert len(steps) == len(steps0)
+    for got, want in zip(steps, steps0):
+        assert sorted(got) == sorted(want)
+        for rid, (toks, confs) in got.items():
+            assert toks == want[rid][0]
+            assert confs == pytest.approx(want[rid][1], rel=1e-4, abs=1e-6)

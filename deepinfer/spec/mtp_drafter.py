@@ -159,19 +159,26 @@ class MTPDrafter(Drafter):
         return out
 
     def draft_after_verify(self, so, batch: ForwardBatch, streams: torch.Tensor, hidden, lane) -> torch.Tensor | None:
-        """k = 1 on the graphed stage: the catch-up over every verify row of every request,
-        each row fed the verify's own argmax as its next token, then each request's draft
-        read at its last accepted row, all on the device (packed [requests, 2]). Rows up to
-        the accepted run's end get exactly the tokens verification emits there; the rows
-        after it are rejected positions, rewritten by the next step's catch-up before any
-        row reads them (a row attends to positions up to its own). None (`propose` drafts
-        from the host result) unless every request continues greedily with nothing pending."""
-        if self.graphs is None or self.k != 1 or lane is None or lane.greedy is None:
+        """The graphed stage's k passes on the device (packed [requests, k, 2]): the catch-up
+        over every verify row of every request, each row fed the verify's own argmax as its
+        next token, then each request's first draft read at its last accepted row, then
+        ``k - 1`` one-row passes at the positions after it (built for no accepted draft and
+        shifted by the accepted count on the device). Rows up to the accepted run's end get
+        exactly the tokens verification emits there; the rows after it are rejected
+        positions, rewritten by the next step's catch-up before any row reads them (a row
+        attends to positions up to its own). None (`propose` drafts from the host result)
+        unless every request continues greedily with nothing pending and owns the blocks of
+        its drafts however many are accepted."""
+        k, B = self.k, self.cache.block_size
+        if self.graphs is None or lane is None or lane.greedy is None or k < 1:
             return None
         rows = []
         for r, seq in zip(so.scheduled, batch.seqs):
+            table = r.block_table[GROUP_SWA]
+            last = seq.start + r.num_draft_tokens  # the last row's position when every draft is accepted
             if (r.is_new or r.req_id in self.pending or not r.sampling_params.is_greedy
-                    or not 1 <= seq.length <= MAX_ROWS):
+                    or not 1 <= seq.length <= MAX_ROWS
+                    or any(p // B >= len(table) or table[p // B] < 0 for p in range(last + 1, last + k))):
                 return None
             rows.append((seq.start, seq.length, r.block_table, r.state_slot))
         if not rows:
@@ -180,17 +187,29 @@ class MTPDrafter(Drafter):
         out = self.graphs.run(rows, lane.greedy[:2 * R].view(R, 2)[:n, 0], streams)
         if out is None:
             return None
-        self.graphs.stats["after_verify_passes"] += 1
         # greedy_verify_packed's tail: per request the first row that did not accept
         starts_drafts = to_device([s.offset for s in batch.seqs] + [r.num_draft_tokens for r in so.scheduled],
                                   torch.long, streams.device).view(2, -1)
         first = lane.greedy[2 * R: 2 * R + len(rows)]
         accepted = torch.minimum(first - starts_drafts[0], starts_drafts[1])
-        return out[1][starts_drafts[0] + accepted]
+        at = starts_drafts[0] + accepted
+        cur_streams, cur = out[0][at], out[1][at]
+        picked = [cur]
+        for j in range(1, k):  # draft j + 1: one position further, its own stream and draft j
+            one_row = [(p + j, 1, t, s) for p, _, t, s in rows]
+            out = self.graphs.run(one_row, cur[:, 0], cur_streams, shift=accepted)
+            if out is None:
+                return None  # (no shape: the host path redrafts; its KV writes are the same)
+            cur_streams, cur = out[0].clone(), out[1].clone()
+            picked.append(cur)
+        self.graphs.stats["after_verify_passes"] += 1
+        return torch.stack(picked, dim=1)
 
     def drafts_from_host(self, so, host: torch.Tensor) -> dict[str, Draft]:
-        toks, lps = unpack_greedy(host.view(-1, 2))
-        return {r.req_id: Draft([toks[g]], None, [math.exp(lps[g])]) for g, r in enumerate(so.scheduled)}
+        k = host.shape[1]
+        toks, lps = unpack_greedy(host.reshape(-1, 2))
+        return {r.req_id: Draft(toks[g * k:(g + 1) * k], None, [math.exp(x) for x in lps[g * k:(g + 1) * k]])
+                for g, r in enumerate(so.scheduled)}
 
     def _propose_graphed(self, ctx: DraftContext, k: int) -> dict[str, Draft] | None:
         """:meth:`propose` as graph replays (the catch-up over every request's valid rows, then

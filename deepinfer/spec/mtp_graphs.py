@@ -95,13 +95,15 @@ class MTPStageGraphs:
         self.graphs.seal()
         return n
 
-    def run(self, rows: list[tuple[int, int, dict, int]], ids: torch.Tensor | np.ndarray, prev: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def run(self, rows: list[tuple[int, int, dict, int]], ids: torch.Tensor | np.ndarray, prev: torch.Tensor,
+            shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One pass over ``rows`` [(first position, rows, block table, state slot)] per request
         (its rows consecutive), ``ids`` the next token of every row (host array or device
         tensor), ``prev`` [n, N, D] the streams they follow. Returns (output streams [n, N, D],
         packed [n, 2]) as views of the graph's outputs (valid until its next replay), or None
-        when no captured shape holds the pass (the caller drafts eagerly)."""
+        when no captured shape holds the pass (the caller drafts eagerly). ``shift`` (device,
+        one per row): added to the rows' positions on the device (positions the host does
+        not know yet: `MTPDrafter.draft_after_verify`; the tables must hold them)."""
         so = SimpleNamespace(scheduled=[SimpleNamespace(start_pos=p, num_tokens=m, block_table=t, state_slot=s)
                                         for p, m, t, s in rows])
         n = sum(m for _, m, _, _ in rows)
@@ -117,6 +119,9 @@ class MTPStageGraphs:
             host[:n] = ids
             host[n:bucket] = ids[0]
         copy_to_device(inputs.flat, host)
+        if shift is not None:  # padded rows repeat row 0, its shift included
+            inputs.positions[:n] += shift.to(inputs.positions.dtype)
+            inputs.positions[n:] = inputs.positions[:1]
         if not on_host:
             inputs.ids[:n].copy_(ids)
             if bucket > n:
