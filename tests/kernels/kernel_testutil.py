@@ -26,7 +26,7 @@ def gen(seed: int) -> torch.Generator:
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64; NaN anywhere fails."""
-    out, ref = out.double(), ref.double()
+    out, ref = out.detach().double(), ref.detach().double()  # a module output may require grad
     if torch.isnan(out).any():
         return float("inf")
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
