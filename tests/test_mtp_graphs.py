@@ -15,6 +15,8 @@ import pytest  # noqa: E402
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.models.default_model import trained_model_dir  # noqa: E402
 
+from spec_common import assert_same_drafts, run_recording_drafts  # noqa: E402
+
 PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 3, "Once upon a time, there was a", "def fibonacci(n):"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -51,36 +53,11 @@ def test_sampling_steps_draft_eagerly(monkeypatch):
     assert all(len(t) == 12 for t in tokens) and sum(proposed) > 0  # the eager drafter drafted
 
 
-def _recorded_run(monkeypatch, after_verify: bool):
-    monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
-    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
-    monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_WARMUP", "1")
-    llm = LLM(trained_model_dir(), dtype="float32", max_model_len=256, max_num_seqs=4, num_speculative_tokens=3,
-              max_num_batched_tokens=64)
-    spec = llm.runner.spec
-    if not after_verify:
-        monkeypatch.setattr(spec.drafter, "draft_after_verify", lambda *args: None)
-    steps, attach = [], spec.attach
-
-    def recording_attach(scheduler, structured=None):
-        steps.append({rid: (d.tokens, d.confidences) for rid, d in spec.drafts.items()})
-        attach(scheduler, structured)
-
-    monkeypatch.setattr(spec, "attach", recording_attach)
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    return spec, [o.token_ids for o in outs], steps
-
-
 def test_drafts_behind_the_verify_graph_equal_host_drafts(monkeypatch):
     """k = 3: every step's drafts and their confidences (the stage's log-probs, which see
     positions and the stage's window cache) equal the host path's, the same output."""
-    spec, tokens, steps = _recorded_run(monkeypatch, after_verify=True)
-    spec0, tokens0, steps0 = _recorded_run(monkeypatch, after_verify=False)
+    spec, tokens, steps = run_recording_drafts(monkeypatch, trained_model_dir(), 3, PROMPTS, after_verify=True)
+    spec0, tokens0, steps0 = run_recording_drafts(monkeypatch, trained_model_dir(), 3, PROMPTS, after_verify=False)
     assert spec.drafter.graphs.stats["after_verify_passes"] > 0 == spec0.drafter.graphs.stats["after_verify_passes"]
     assert tokens == tokens0 and list(spec.metrics.accepted) == list(spec0.metrics.accepted)
-    assert len(steps) == len(steps0)
-    for got, want in zip(steps, steps0):
-        assert sorted(got) == sorted(want)
-        for rid, (toks, confs) in got.items():
-            assert toks == want[rid][0]
-            assert confs == pytest.approx(want[rid][1], rel=1e-4, abs=1e-6)
+    assert_same_drafts(steps, steps0)

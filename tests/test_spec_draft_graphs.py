@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.models.tiny import tiny_dspark_config, tiny_v41_config, write_tiny_checkpoint  # noqa: E402
 
-from spec_common import VOCAB, mixed_prompts  # noqa: E402
+from spec_common import VOCAB, assert_same_drafts, mixed_prompts, run_recording_drafts  # noqa: E402
 
 GREEDY = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 9, 14)]
 SEEDED = [SamplingParams(temperature=0.8, seq_seed=s, max_tokens=10, ignore_eos=True) for s in (1, 2, 3)]
@@ -170,42 +170,18 @@ def test_batch_invariant_engine_keeps_the_eager_invariant_drafter(ckpt, monkeypa
     assert got == want
 
 
-def _trained_dspark_run(monkeypatch, after_verify: bool):
-    """Greedy speculation on the trained deepinfer-tiny-dspark (real acceptance), verify and
-    draft graphs captured at start (emulated); each step's attached drafts recorded."""
-    monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
-    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
-    monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_WARMUP", "1")
-    llm = LLM("deepinfer-tiny-dspark", dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
-              num_speculative_tokens=5)
-    spec = llm.runner.spec
-    if not after_verify:
-        monkeypatch.setattr(spec.drafter, "draft_after_verify", lambda *args: None)
-    steps, attach = [], spec.attach
-
-    def recording_attach(scheduler, structured=None):
-        steps.append({rid: (d.tokens, d.confidences) for rid, d in spec.drafts.items()})
-        attach(scheduler, structured)
-
-    monkeypatch.setattr(spec, "attach", recording_attach)
-    prompts = ["The quick brown fox jumps over the lazy dog. " * 3, "Once upon a time, there was a", "def f(n):"]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    return spec, [o.token_ids for o in outs], steps
+DSPARK_PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 3, "Once upon a time, there was a", "def f(n):"]
 
 
 def test_drafts_behind_the_verify_graph_equal_host_drafts(monkeypatch):
     """Greedy-lane steps draft on the device behind the verify graph (features of every verify
     row written, each block's window picked by the accepted count): the same drafts and
     confidences at every step as drafting from the host result, the same output."""
-    spec, tokens, steps = _trained_dspark_run(monkeypatch, after_verify=True)
-    spec0, tokens0, steps0 = _trained_dspark_run(monkeypatch, after_verify=False)
+    # the trained deepinfer-tiny-dspark: real acceptance, so the compared drafts matter
+    spec, tokens, steps = run_recording_drafts(monkeypatch, "deepinfer-tiny-dspark", 5, DSPARK_PROMPTS, True)
+    spec0, tokens0, steps0 = run_recording_drafts(monkeypatch, "deepinfer-tiny-dspark", 5, DSPARK_PROMPTS, False)
     assert spec.drafter.graphs.stats["after_verify_steps"] > 0
     assert spec0.drafter.graphs.stats["after_verify_steps"] == 0
     assert tokens == tokens0 and list(spec.metrics.accepted) == list(spec0.metrics.accepted)
     assert sum(spec.metrics.accepted) > 0  # real drafts were accepted, so the compared drafts mattered
-    assert len(steps) == len(steps0)
-    for got, want in zip(steps, steps0):
-        assert sorted(got) == sorted(want)
-        for rid, (toks, confs) in got.items():
-            assert toks == want[rid][0]
-            assert confs == pytest.approx(want[rid][1], abs=1e-5)
+    assert_same_drafts(steps, steps0)
