@@ -71,6 +71,20 @@ def test_speculative_graphs_keep_their_logits_free() -> None:
     gamma = dspark.dspark_block_size
     want = 4 * 1000 * (48 + 8 * (gamma + min(5, gamma)))
     assert speculative_graph_bytes(dspark, EngineConfig(max_num_seqs=8, num_speculative_tokens=5)) == want
-    # the greedy lane stops at 128 rows; the drafter's bytes keep growing with the batch
+    # a 1000-token vocabulary's lane covers every verify bucket (512 rows); the drafter's too
     big = speculative_graph_bytes(mtp, EngineConfig(max_num_seqs=256, num_speculative_tokens=1))
-    assert big == 4 * 1000 * (128 + 512)
+    assert big == 4 * 1000 * (512 + 512)
+    # at V4's vocabulary the lane stops at 128 rows: its logits' bytes are capped, the drafter's grow
+    v4 = tiny_config(vocab_size=129_280, sliding_window=32)
+    assert speculative_graph_bytes(v4, EngineConfig(max_num_seqs=256, num_speculative_tokens=1)) == \
+        4 * 129_280 * (128 + 512)
+
+
+def test_greedy_lane_rows_scale_with_the_vocabulary() -> None:
+    from deepinfer.models.fast.verify_graphs import GREEDY_LOGITS_BYTES, greedy_lane_max_rows
+
+    assert greedy_lane_max_rows(129_280) == 128  # V4 / V4.1: 66 MB of float32 logits
+    assert greedy_lane_max_rows(8192) == GREEDY_LOGITS_BYTES // (4 * 8192) >= 256 * 6  # the default: DSpark k=5 x 256
+    assert greedy_lane_max_rows(10**7) == 128  # never below the floor
+    with pytest.raises(ValueError, match="vocab_size"):
+        greedy_lane_max_rows(0)

@@ -386,3 +386,25 @@ def test_greedy_lane_verification_equals_rejection_sampling(case, fresh_seed):
     assert got.tokens == want.tokens and got.num_accepted == want.num_accepted and got.rows == want.rows
     for a, b in zip(got.logprobs, want.logprobs):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)
+
+
+def test_greedy_lane_reaches_past_128_rows_at_a_small_vocabulary(ckpt, monkeypatch):
+    """The lane's row cap is a logits byte budget: at this 512-token vocabulary 32 greedy
+    requests x (4 drafts + 1) = 160 verify rows still verify inside the graph, and the
+    output equals no speculation."""
+    from deepinfer.models.fast.verify_graphs import greedy_lane_max_rows
+
+    monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_WARMUP", "1")
+    prompts = [[(7 * i + 3 * j) % (VOCAB - 2) + 2 for j in range(6)] for i in range(32)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # drafts stop at max_tokens
+    want = [o.token_ids for o in make_llm(ckpt, max_num_seqs=32, max_model_len=64).generate(
+        prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+    llm = make_llm(ckpt, max_num_seqs=32, max_model_len=64, num_speculative_tokens=4, max_num_batched_tokens=256)
+    fast, verify = llm.runner.fast, llm.runner.spec.verify_executor(llm.runner)
+    assert verify.greedy_max_rows == greedy_lane_max_rows(VOCAB) > 160
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+    assert got == want
+    lanes = {key[1] for key in fast.graphs.replays if key[0] == "verify" and key[-1] == "greedy"}
+    assert max(lanes) >= 160, lanes

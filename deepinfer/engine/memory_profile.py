@@ -45,17 +45,18 @@ def speculative_graph_bytes(model_cfg: Any, config: EngineConfig) -> int:
     """Device bytes the speculative graph sets hold in their pools beyond the lazy reserve:
     the float32 logits of their largest buckets (captured after the KV cache is sized, so
     they must be kept free up front). The verify graphs' greedy lane holds up to
-    ``GREEDY_MAX_ROWS`` rows; the MTP stage's graphs a catch-up of every request's k + 1
+    ``greedy_lane_max_rows(vocab)`` rows; the MTP stage's graphs a catch-up of every request's k + 1
     rows; DSpark's draft graphs every block's gamma rows plus, in the sampling mode, the
     draft distributions of its n drafts."""
     from deepinfer.models.fast.decode_graphs import BUCKETS, rows_bucket
-    from deepinfer.models.fast.verify_graphs import GREEDY_MAX_ROWS, verify_row_buckets
+    from deepinfer.models.fast.verify_graphs import greedy_lane_max_rows, verify_row_buckets
 
     k = config.num_speculative_tokens
     if k <= 0:
         return 0
     rows = verify_row_buckets(config.max_num_seqs, k)
-    lane = max((r for r in rows if r <= GREEDY_MAX_ROWS), default=0)
+    cap = greedy_lane_max_rows(model_cfg.vocab_size)
+    lane = max((r for r in rows if r <= cap), default=0)
     if model_cfg.has_dspark:
         blocks = rows_bucket(config.max_num_seqs) or BUCKETS[-1]
         gamma = model_cfg.dspark_block_size

@@ -19,7 +19,7 @@ largest bucket) runs eagerly on the same padded buffers and is counted
 in decode graphs: they write what row 0 writes.
 
 Greedy lane: a step whose requests are all greedy (no top log-probs, no grammar) and whose
-rows fit ``GREEDY_MAX_ROWS`` replays a graph that also computes every row's logits, argmax
+rows fit ``greedy_lane_max_rows`` (by vocabulary) replays a graph that also computes every row's logits, argmax
 and log-prob and verifies the drafts (:func:`greedy_verify_packed`): the step's
 logits, sampling and acceptance then launch nothing of their own and reach the host in one
 copy. Its logits stay in the pool (R x V float32), hence the row cap.
@@ -46,9 +46,20 @@ from .runner import StepInputs
 SpecForward = tuple[torch.Tensor, dict[int, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
 
 
-#: Most rows of a greedy-lane verify graph: its logits stay in the graph pool (at a 129k
-#: vocabulary, 128 rows hold 66 MB), and larger steps amortise their eager launches.
+#: Fewest rows a greedy-lane verify graph may reach, whatever the vocabulary.
 GREEDY_MAX_ROWS = 128
+#: The float32 logits a greedy-lane graph may keep in the graph pool: 128 rows at V4's
+#: 129,280-token vocabulary (66 MB), so a smaller vocabulary gets more rows.
+GREEDY_LOGITS_BYTES = 128 * 129_280 * 4
+
+
+def greedy_lane_max_rows(vocab_size: int) -> int:
+    """Most rows of a greedy-lane verify graph for ``vocab_size``: its float32 logits stay in
+    the pool, so ``GREEDY_LOGITS_BYTES`` of them, at least ``GREEDY_MAX_ROWS`` rows (larger
+    steps amortise their eager launches)."""
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"greedy_lane_max_rows: vocab_size must be an int >= 1, got {vocab_size!r}")
+    return max(GREEDY_MAX_ROWS, GREEDY_LOGITS_BYTES // (4 * vocab_size))
 
 
 @dataclass
@@ -120,6 +131,7 @@ class VerifyGraphs:
         #: device bytes the captured verify set took (None: not measured / not captured)
         self.graph_bytes: int | None = None
         self.counts = {"steps": 0, "graph_steps": 0, "eager_steps": 0, "greedy_steps": 0}
+        self.greedy_max_rows = greedy_lane_max_rows(fast.model.cfg.vocab_size)
 
     def _bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -157,7 +169,7 @@ class VerifyGraphs:
                 fast.graphs.capture(key, fast._dummy_meta(rows, width), self._body)
                 self.warmed.append((rows, width))
             greedy = self._key(rows, width, greedy=True)
-            if self.has_greedy_lane and rows <= GREEDY_MAX_ROWS and not fast.graphs.has(greedy):
+            if self.has_greedy_lane and rows <= self.greedy_max_rows and not fast.graphs.has(greedy):
                 fast.graphs.capture(greedy, fast._dummy_meta(rows, width), self._body_greedy)
                 self.warmed.append((rows, width, "greedy"))
         after = reserved_bytes(fast.device)
@@ -215,5 +227,5 @@ class VerifyGraphs:
         return VerifyStep(streams[:n], result, rows)
 
 
-__all__ = ["GREEDY_MAX_ROWS", "VerifyGraphs", "VerifyStep", "greedy_verify_packed", "verify_row_buckets",
-           "verify_shapes"]
+__all__ = ["GREEDY_LOGITS_BYTES", "GREEDY_MAX_ROWS", "VerifyGraphs", "VerifyStep", "greedy_lane_max_rows",
+           "greedy_verify_packed", "verify_row_buckets", "verify_shapes"]
