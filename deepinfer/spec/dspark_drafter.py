@@ -263,7 +263,7 @@ class DSparkDrafter(Drafter):
         the graphed drafter or when a request's rows are cut by bounded replay."""
         n_draft = min(self.k, self.gamma)
         if (self.graphs is None or self.feature_graphs is None or lane is None or lane.greedy is None
-                or n_draft != self._n_graph or n_draft <= 0 or not so.scheduled):
+                or n_draft != self._n_graph or not so.scheduled):
             return None
         W, per_block = self.cfg.sliding_window, self._rows_per_block()
         most = max(r.num_draft_tokens for r in so.scheduled)
@@ -282,15 +282,12 @@ class DSparkDrafter(Drafter):
         dev = streams.device
         self.feature_graphs.run(self._target_features(hidden, torch.arange(batch.num_tokens, device=dev)),
                                 np.concatenate(positions), np.concatenate(slots))
-        R, G = lane.rows, len(so.scheduled)
-        meta = to_device([s.offset for s in batch.seqs] + [r.num_draft_tokens for r in so.scheduled],
-                         torch.long, dev).view(2, G)
-        accepted = torch.minimum(lane.greedy[2 * R: 2 * R + G] - meta[0], meta[1])
+        starts, accepted = lane.accepted([s.offset for s in batch.seqs], [r.num_draft_tokens for r in so.scheduled])
         ext_t = torch.empty(ext.shape, dtype=torch.int64, device=dev)
         copy_to_device(ext_t, ext)  # staged: a pageable copy would wait for the verify graph
         inp = torch.cat([ext_t[:, :N_COLS], ext_t[:, N_COLS:].gather(
             1, accepted[:, None] + torch.arange(W - 1, device=dev))], dim=1)
-        inp[:, 0] = lane.greedy[:2 * R].view(R, 2)[meta[0] + accepted, 0]
+        inp[:, 0] = lane.row_argmax(batch.num_tokens)[starts + accepted]
         inp[:, 1] += accepted
         out = self.graphs.run_device(inp, True)
         if out is None:

@@ -20,7 +20,6 @@ import torch
 
 from deepinfer import batch_invariant
 from deepinfer.engine.sampler import Sampler, SamplingTensors, unpack_greedy
-from deepinfer.engine.transfer import to_device
 from deepinfer.models.fast.forward import blocks_supported, head_hidden, run_block
 from deepinfer.models.fast.runner import MAX_ROWS
 from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
@@ -170,7 +169,7 @@ class MTPDrafter(Drafter):
         unless every request continues greedily with nothing pending and owns the blocks of
         its drafts however many are accepted."""
         k, B = self.k, self.cache.block_size
-        if self.graphs is None or lane is None or lane.greedy is None or k < 1:
+        if self.graphs is None or lane is None or lane.greedy is None:
             return None
         rows = []
         for r, seq in zip(so.scheduled, batch.seqs):
@@ -183,27 +182,32 @@ class MTPDrafter(Drafter):
             rows.append((seq.start, seq.length, r.block_table, r.state_slot))
         if not rows:
             return None
-        R, n = lane.rows, batch.num_tokens
-        out = self.graphs.run(rows, lane.greedy[:2 * R].view(R, 2)[:n, 0], streams)
+        out = self.graphs.run(rows, lane.row_argmax(batch.num_tokens), streams)
         if out is None:
             return None
-        # greedy_verify_packed's tail: per request the first row that did not accept
-        starts_drafts = to_device([s.offset for s in batch.seqs] + [r.num_draft_tokens for r in so.scheduled],
-                                  torch.long, streams.device).view(2, -1)
-        first = lane.greedy[2 * R: 2 * R + len(rows)]
-        accepted = torch.minimum(first - starts_drafts[0], starts_drafts[1])
-        at = starts_drafts[0] + accepted
-        cur_streams, cur = out[0][at], out[1][at]
-        picked = [cur]
-        for j in range(1, k):  # draft j + 1: one position further, its own stream and draft j
-            one_row = [(p + j, 1, t, s) for p, _, t, s in rows]
-            out = self.graphs.run(one_row, cur[:, 0], cur_streams, shift=accepted)
-            if out is None:
-                return None  # (no shape: the host path redrafts; its KV writes are the same)
-            cur_streams, cur = out[0].clone(), out[1].clone()
-            picked.append(cur)
+        starts, accepted = lane.accepted([s.offset for s in batch.seqs], [r.num_draft_tokens for r in so.scheduled])
+        at = starts + accepted
+        picked = self._later_passes([(p, t, s) for p, _, t, s in rows], out[0][at], out[1][at], k, shift=accepted)
+        if picked is None:
+            return None  # (no shape: the host path redrafts; its KV writes are the same)
         self.graphs.stats["after_verify_passes"] += 1
         return torch.stack(picked, dim=1)
+
+    def _later_passes(self, last_rows: list[tuple[int, dict, int]], streams: torch.Tensor, cur: torch.Tensor,
+                      k: int, shift: torch.Tensor | None = None) -> list[torch.Tensor] | None:
+        """Drafts 2..k after the first (``cur`` packed [R, 2], ``streams`` its output streams):
+        one-row passes one position further each, fed their own stream and the previous
+        draft. ``last_rows``: per request (position of the row that drafted ``cur``, block
+        table, state slot), positions shifted by ``shift`` on the device. Returns the packed
+        drafts per pass ([R, 2] each, the first included), None when a pass has no shape."""
+        picked = [cur]
+        for j in range(1, k):
+            out = self.graphs.run([(p + j, 1, t, s) for p, t, s in last_rows], cur[:, 0], streams, shift=shift)
+            if out is None:
+                return None
+            streams, cur = out[0].clone(), out[1].clone()
+            picked.append(cur)
+        return picked
 
     def drafts_from_host(self, so, host: torch.Tensor) -> dict[str, Draft]:
         k = host.shape[1]
@@ -238,16 +242,9 @@ class MTPDrafter(Drafter):
             return None
         streams, packed = out
         at = torch.from_numpy(ends).to(packed.device)
-        cur_streams, cur = streams[at], packed[at]
-        picked = [cur]
-        one_row = [(p + m - 1, 1, t, s) for p, m, t, s in rows]
-        for j in range(1, k):  # draft j + 1: one position further, its own stream and draft j
-            one_row = [(p + 1, 1, t, s) for p, _, t, s in one_row]
-            out = self.graphs.run(one_row, cur[:, 0], cur_streams)
-            if out is None:
-                return None  # (no shape for it: the eager path redrafts; its KV writes are the same)
-            cur_streams, cur = out[0].clone(), out[1].clone()
-            picked.append(cur)
+        picked = self._later_passes([(p + m - 1, t, s) for p, m, t, s in rows], streams[at], packed[at], k)
+        if picked is None:
+            return None  # (no shape for it: the eager path redrafts; its KV writes are the same)
         host = torch.stack(picked, dim=1).cpu()  # [R, k, 2]: the step's one copy
         toks, lps = unpack_greedy(host.view(-1, 2))
         return {r.req_id: Draft(toks[a * k:(a + 1) * k], None, [math.exp(x) for x in lps[a * k:(a + 1) * k]])

@@ -47,7 +47,7 @@ class MTPStageGraphs:
         cfg = model.cfg
         self._streams_shape = (cfg.hc_mult, cfg.hidden_size)
         self._inputs: dict[tuple[int, int], tuple[StepInputs, torch.Tensor]] = {}
-        #: after_verify_passes: catch-ups launched behind the verify graph (`MTPDrafter.draft_after_verify`)
+        #: after_verify_passes: steps whose k drafts ran behind the verify graph (`MTPDrafter.draft_after_verify`)
         self.stats = {"graph_passes": 0, "eager_passes": 0, "after_verify_passes": 0}
 
     @property

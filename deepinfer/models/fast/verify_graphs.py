@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from deepinfer.engine.transfer import copy_to_device
+from deepinfer.engine.transfer import copy_to_device, to_device
 
 from ..paged_batch import ForwardBatch
 from .decode_graphs import BUCKETS, graph_shapes, next_pow2, reserved_bytes
@@ -71,6 +71,18 @@ class VerifyStep:
     streams: torch.Tensor
     greedy: torch.Tensor | None = None
     rows: int = 0
+
+    def row_argmax(self, n: int) -> torch.Tensor:
+        """The lane's argmax of the step's first ``n`` rows, on the device."""
+        return self.greedy[:2 * self.rows].view(self.rows, 2)[:n, 0]
+
+    def accepted(self, offsets: list[int], num_drafts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the device, per request group starting at ``offsets`` with ``num_drafts``: (its
+        first row, its accepted drafts), what ``spec.verify.greedy_verify_result`` reads on
+        the host."""
+        meta = to_device(list(offsets) + list(num_drafts), torch.long, self.greedy.device).view(2, -1)
+        first = self.greedy[2 * self.rows: 2 * self.rows + len(offsets)]
+        return meta[0], torch.minimum(first - meta[0], meta[1])
 
 
 def greedy_verify_packed(ids: torch.Tensor, packed: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
