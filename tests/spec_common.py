@@ -33,16 +33,18 @@ def run_recording_drafts(monkeypatch, model: str, k: int, prompts: list[str], af
     monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
     monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
     monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_WARMUP", "1")
+    # the synchronous loop: a plan made ahead (async) caps drafts near max_tokens by the
+    # optimistic in-flight count, so the host path's steps would differ at the end
     llm = LLM(model, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
-              num_speculative_tokens=k)
+              num_speculative_tokens=k, async_scheduling=False)
     spec = llm.runner.spec
     if not after_verify:
         monkeypatch.setattr(spec.drafter, "draft_after_verify", lambda *args: None)
     steps, attach = [], spec.attach
 
-    def recording_attach(scheduler, structured=None):
+    def recording_attach(scheduler, structured=None, in_flight=frozenset()):
         steps.append({rid: (d.tokens, d.confidences) for rid, d in spec.drafts.items()})
-        attach(scheduler, structured)
+        attach(scheduler, structured, in_flight)
 
     monkeypatch.setattr(spec, "attach", recording_attach)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)

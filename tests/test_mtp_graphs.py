@@ -21,12 +21,14 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 3, "Once upon a tim
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def _run(monkeypatch, graphs: str, k: int, params=GREEDY):
+def _run(monkeypatch, graphs: str, k: int, params=GREEDY, async_scheduling: bool = False):
+    """(The synchronous loop by default: a plan made ahead caps drafts near max_tokens by the
+    optimistic in-flight count, so its per-position counts differ from the eager drafter's.)"""
     monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
     monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", graphs)
     monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_WARMUP", "1")  # the start-up capture, emulated on the host
     llm = LLM(trained_model_dir(), dtype="float32", max_model_len=256, max_num_seqs=4, num_speculative_tokens=k,
-              max_num_batched_tokens=64)
+              max_num_batched_tokens=64, async_scheduling=async_scheduling)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     m = llm.runner.spec.metrics
     return llm.runner.spec.drafter, [o.token_ids for o in outs], list(m.accepted), list(m.proposed)

@@ -159,10 +159,10 @@ def _partly_known_drafts(llm: LLM, reference: list[list[int]] | None) -> dict[st
 def _verified_drafts_are_grammar_valid(llm: LLM) -> dict[str, int]:
     """Every draft a greedy constrained request verifies is one its grammar accepts (the
     truncation keeps rows for nothing the mask would reject anyway)."""
-    spec, structured, real = llm.runner.spec, llm.structured, llm.runner.spec.execute
+    spec, structured, real = llm.runner.spec, llm.structured, llm.runner.spec.launch
     seen = {"drafts": 0}
 
-    def execute(runner, so, grammar=None):
+    def launch(runner, so, grammar=None):
         for r in so.scheduled:
             g = structured.grammars.get(r.req_id)
             if g is not None and r.num_draft_tokens:
@@ -171,7 +171,7 @@ def _verified_drafts_are_grammar_valid(llm: LLM) -> dict[str, int]:
                 seen["drafts"] += len(drafts)
         return real(runner, so, grammar)
 
-    spec.execute = execute
+    spec.launch = launch
     return seen
 
 

@@ -90,9 +90,14 @@ class AsyncStepLoop:
     def __init__(self, core: Any, debug: bool = False) -> None:
         self.core = core
         self.scheduler = AsyncScheduler(core.scheduler)
-        self.tokens = DeviceTokenBuffer(core.config.max_num_seqs, core.runner.device, debug=debug)
+        self.tokens = DeviceTokenBuffer(core.config.max_num_seqs, core.runner.device, debug=debug,
+                                        width=1 + core.config.num_speculative_tokens)
         core.runner.token_buffer = self.tokens
         self.spec = core.runner.spec
+        self.planner = None  # speculative steps planned ahead (deepinfer/spec/plan_ahead.py)
+        if self.spec is not None:
+            from deepinfer.spec.plan_ahead import SpeculativePlanner
+            self.planner = SpeculativePlanner(self.spec, core.runner, core.scheduler, core.structured)
         self.stats = AsyncStats()
         self._pending: _InFlight | None = None
         self._records: list[tuple[SchedulerOutput, list, float]] = []  # applied, for metrics at step end
@@ -112,11 +117,19 @@ class AsyncStepLoop:
         core = self.core
         t_start = time.perf_counter()
         core.structured.admit_ready(core.scheduler)
-        if self._pending is not None and self.spec is not None:
-            self.stats.speculative_syncs += 1
-            self._apply()
+        planner = self.planner
+        if self._pending is not None and planner is not None:
+            if planner.can_plan_after(self._pending.step):  # its drafts are on the device
+                planner.mark(self._pending.so)
+            else:
+                self.stats.speculative_syncs += 1
+                self._apply()
         with phase(SCHEDULE):
             so = self.scheduler.schedule()
+        if self._pending is not None and planner is not None and not planner.device_step_ok(so):
+            self.stats.speculative_syncs += 1
+            self._apply()  # the step in flight lands: the plan gets its real tokens and positions
+            planner.resolve(so)
         self.stats.steps += 1
         step = core.runner.launch(so)  # on a GPU: enqueued behind step N, nothing waits here
         if self._pending is not None:
@@ -167,9 +180,11 @@ class AsyncStepLoop:
         out = core.runner.collect(item.step)
         self.stats.wait_s += time.perf_counter() - t_wait
         with phase(UPDATE):
+            later = self.scheduler.inflight  # a step planned after this one, if any (before update clears it)
+            in_flight = {r.req_id for r in later.scheduled} if later is not None and later is not item.so else set()
             touched = self.scheduler.update(item.so, out)
             if self.spec is not None:  # drafts for the next step go to running requests
-                self.spec.attach(core.scheduler, core.structured)
+                self.spec.attach(core.scheduler, core.structured, in_flight)
         self._deltas.extend(core.process_outputs(touched))
         if record:
             self._records.append((item.so, touched, item.t_start))

@@ -2,9 +2,10 @@
 
 :class:`AsyncScheduler` wraps :class:`~deepinfer.engine.scheduler.Scheduler` (no fork).
 After ``schedule()`` it advances ``num_computed_tokens`` of every scheduled request at
-once and counts one ``num_output_placeholders`` per request that samples, so the next
-``schedule()`` feeds the not-yet-known token (``PLACEHOLDER_TOKEN_ID``) and samples the
-one after it. ``update(N)`` (applied after step N+1 was planned) rewinds the in-flight
+once and counts one ``num_output_placeholders`` per request that samples (``1 + drafts`` for a
+speculative step: every draft accepted, the optimistic count a plan made ahead of it
+uses, deepinfer/spec/plan_ahead.py), so the next ``schedule()`` feeds the not-yet-known
+token (``PLACEHOLDER_TOKEN_ID``) and samples the one after it. ``update(N)`` (applied after step N+1 was planned) rewinds the in-flight
 counts, lets the base ``update`` append the real tokens and run stop checks, then puts
 step N+1's counts back. A request finished at step N has its step-N+1 work discarded
 (the base update skips unknown requests; its blocks were freed at the finish). A request
@@ -48,8 +49,8 @@ class AsyncScheduler:
         for s in out.scheduled:
             req = self.base.requests[s.req_id]
             req.num_computed_tokens += s.num_tokens
-            if s.needs_sample:
-                req.num_output_placeholders += 1
+            if s.needs_sample:  # speculative: optimistic, every draft accepted plus the bonus
+                req.num_output_placeholders += 1 + s.num_draft_tokens
         self.inflight = out
         return out
 
@@ -68,7 +69,7 @@ class AsyncScheduler:
                 nxt = later.get(s.req_id)
                 req.num_computed_tokens -= s.num_tokens + (nxt.num_tokens if nxt is not None else 0)
                 if s.needs_sample:
-                    req.num_output_placeholders -= 1
+                    req.num_output_placeholders -= 1 + s.num_draft_tokens
                 rewound.append(req)
             elif s.needs_sample and (k := index.get(s.req_id)) is not None:
                 touched.extend(self._append_preempted(req, ro, k))

@@ -67,6 +67,10 @@ class HybridKVCacheManager:
         # Longest usable hit (tokens) per request, e.g. V4.1 bounded replay's cut; None = no cap.
         self.hit_limit = hit_limit
         self.pools = {g.name: BlockPool(num_blocks[g.name]) for g in groups}
+        #: positions a step's rows may sit below ``num_computed_tokens`` (speculative steps
+        #: planned ahead count every draft accepted: up to k more than the truth,
+        #: deepinfer/spec/plan_ahead.py); window groups keep that much more behind the window
+        self.window_slack = 0
         self._free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))  # pop() -> 0 first
         # Per request: how many leading blocks already went through cache_blocks.
         self._num_cached_blocks: dict[str, int] = {}
@@ -146,7 +150,7 @@ class HybridKVCacheManager:
             if table is None or len(table) < need_blocks:
                 return False
             if g.sliding_window is not None:
-                first = self._first_needed_block(g, start)
+                first = self._first_needed_block(g, start - self.window_slack)
                 if first and table[first - 1] != -1:
                     return False
         return True
@@ -180,7 +184,7 @@ class HybridKVCacheManager:
             table = list(request.block_table.get(g.name, []))
             hit = (new_computed_blocks or {}).get(g.name, [])
             table += hit
-            first = self._first_needed_block(g, start)
+            first = self._first_needed_block(g, start - self.window_slack)
             to_free = [i for i in range(min(first, len(table))) if table[i] != -1]
             n_new = max(0, need_blocks - len(table))
             # Hits that sit in the free queue stop counting as free; our own
@@ -266,7 +270,8 @@ class HybridKVCacheManager:
         for g in self.groups:
             full = _cdiv(num_tokens, self.block_size)
             if g.sliding_window is not None:
-                window = _cdiv(g.sliding_window - 1 + min(max_chunk, num_tokens), self.block_size) + 1
+                window = _cdiv(g.sliding_window - 1 + self.window_slack + min(max_chunk, num_tokens),
+                               self.block_size) + 1
                 full = min(full, window)
             out[g.name] = full
         return out

@@ -46,6 +46,7 @@ class LaunchedStep:
     logits: torch.Tensor | None = None
     result: HostResult | None = None  # sampled tokens / logprobs on their way to the host
     output: ModelRunnerOutput | None = None  # set directly by the speculative path
+    spec: Any = None  # a speculative step still landing (deepinfer.spec.runner.LaneInFlight)
     reduced: Any = None  # a graphed decode step's per-row argmax / log-sum-exp (FastPath.reduced)
     packed: bool = False  # result is one [R, 2] tensor of (token, log-prob bits): the greedy lane
 
@@ -106,7 +107,7 @@ class ModelRunner:
             ids.extend(req.token_ids)
             positions.extend(range(req.start_pos, req.start_pos + req.num_tokens))
         # one host -> device copy: ids, positions and (async) the placeholder rows / slots
-        rows, slots = self.token_buffer.placeholders(so) if self.token_buffer is not None else ([], [])
+        rows, slots = self.token_buffer.placeholder_index(so) if self.token_buffer is not None else ([], [])
         t, p = len(ids), len(rows)
         flat = to_device(ids + positions + rows + slots, torch.long, self.device)
         batch = ForwardBatch(flat[:t], flat[t:2 * t], seqs, self.replay)
@@ -173,7 +174,11 @@ class ModelRunner:
         """Mask (``grammar``), sample and start copying the results to the host."""
         so = step.so
         if self.spec is not None:  # verify drafts + draft the next ones (deepinfer/spec/runner.py)
-            step.output = self.spec.execute(self, so, grammar)
+            out = self.spec.launch(self, so, grammar)
+            if isinstance(out, ModelRunnerOutput):
+                step.output = out
+            else:
+                step.spec = out
             return step
         if not step.picks:
             return step
@@ -226,6 +231,10 @@ class ModelRunner:
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """The step's ModelRunnerOutput; waits only for its own results' copy."""
         if step.output is not None:
+            return step.output
+        if step.spec is not None:
+            with phase(WAIT):
+                step.output = self.spec.collect(step.spec)
             return step.output
         so = step.so
         req_ids = [r.req_id for r in so.scheduled]

@@ -120,10 +120,11 @@ class Scheduler:
         max_model_len (every position written stays below it)."""
         if not req.draft_token_ids or n < remaining:
             return 0
+        # (async scheduling: in-flight samples count, at their optimistic number)
         left = getattr(req.sampling_params, "max_tokens", None)
-        cap = min(len(req.draft_token_ids), budget - n, self.config.max_model_len - req.num_tokens - 1)
+        cap = min(len(req.draft_token_ids), budget - n, self.config.max_model_len - req.num_tokens_with_placeholders - 1)
         if left is not None:
-            cap = min(cap, left - req.num_output_tokens - 1)
+            cap = min(cap, left - req.num_output_tokens - req.num_output_placeholders - 1)
         return max(0, cap)
 
     def _length_capped(self, req: Request) -> bool:
@@ -138,7 +139,8 @@ class Scheduler:
         """Extra block room for the drafter's speculative rows, below max_model_len."""
         if not self.config.num_lookahead_tokens or n < remaining:
             return 0
-        return max(0, min(self.config.num_lookahead_tokens, self.config.max_model_len - req.num_tokens - k))
+        return max(0, min(self.config.num_lookahead_tokens,
+                          self.config.max_model_len - req.num_tokens_with_placeholders - k))
 
     def _scheduled(self, req: Request, n: int, is_new: bool, num_drafts: int = 0) -> ScheduledRequest:
         start = req.num_computed_tokens

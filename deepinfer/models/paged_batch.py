@@ -36,6 +36,10 @@ class ForwardBatch:
     seqs: list[SeqMeta] = field(default_factory=list)
     replay: object | None = None  # V4.1 SWA bounded replay (bounded_replay.ReplayConfig)
     decode: object | None = None  # GPU fast path: pure-decode step tensors (models.fast.decode.DecodeMeta)
+    #: [T] int64 on the device, already added to ``positions``: how far each row is from the
+    #: position its SeqMeta says (a speculative step planned before the previous one's
+    #: accepted counts landed, engine/token_buffer.py); None when the host positions are exact
+    position_shift: object | None = None
 
     @property
     def num_tokens(self) -> int:

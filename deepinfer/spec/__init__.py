@@ -67,6 +67,8 @@ def setup(llm) -> None:
     # verify graphs are captured (`ModelRunner.warmup`): it times the steps verification runs
     llm.runner.spec = SpecDecoder(drafter, k, varlen=llm.config.enable_mtp_varlen)
     llm.scheduler.config.num_lookahead_tokens = drafter.lookahead
+    if drafter.plans_ahead and llm.config.async_scheduling:  # rows of a plan made ahead sit up to k lower
+        llm.kv_manager.window_slack = k
 
 
 def measure_step_curve(llm) -> None:

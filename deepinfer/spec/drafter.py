@@ -46,6 +46,9 @@ class Drafter:
     lookahead: int = 0
     #: the GPU fast path's batched ops (``FastPath.ops``) when the runner has one (``spec.setup``)
     fast_ops: Any = None
+    #: drafts behind the verify graph at positions shifted on the device, with
+    #: `device_draft_tokens`: the next step may be planned before this one lands
+    plans_ahead: bool = False
 
     def propose(self, ctx: DraftContext, k: int) -> dict[str, Draft]:
         raise NotImplementedError
@@ -61,6 +64,16 @@ class Drafter:
 
     def drafts_from_host(self, so: Any, host: torch.Tensor) -> dict[str, Draft]:
         """The drafts of `draft_after_verify`'s tensor, copied to the host."""
+        raise NotImplementedError
+
+    def can_draft_after_verify(self, so: Any) -> bool:
+        """Whether `draft_after_verify` drafts behind the verify graph of ``so`` even when its
+        positions are shifted on the device (``ForwardBatch.position_shift``): the condition
+        for planning the step after ``so`` before ``so`` lands (`spec/plan_ahead.py`)."""
+        return False
+
+    def device_draft_tokens(self, drafts: torch.Tensor) -> torch.Tensor:
+        """[requests, k] draft token ids of `draft_after_verify`'s tensor, on the device."""
         raise NotImplementedError
 
     def drop(self, req_ids: list[str]) -> None:

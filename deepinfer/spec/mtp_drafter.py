@@ -32,6 +32,7 @@ from .verify import sample_draft
 
 
 class MTPDrafter(Drafter):
+    plans_ahead = True
     def __init__(self, model, cache: KVCache, k: int) -> None:
         self.model, self.cache, self.k = model, cache, k
         self.lookahead = max(0, k - 1)
@@ -168,30 +169,50 @@ class MTPDrafter(Drafter):
         attends to positions up to its own). None (`propose` drafts from the host result)
         unless every request continues greedily with nothing pending and owns the blocks of
         its drafts however many are accepted."""
-        k, B = self.k, self.cache.block_size
-        if self.graphs is None or lane is None or lane.greedy is None:
+        if lane is None or lane.greedy is None:
             return None
-        rows = []
-        for r, seq in zip(so.scheduled, batch.seqs):
-            table = r.block_table[GROUP_SWA]
-            last = seq.start + r.num_draft_tokens  # the last row's position when every draft is accepted
-            if (r.is_new or r.req_id in self.pending or not r.sampling_params.is_greedy
-                    or not 1 <= seq.length <= MAX_ROWS
-                    or any(p // B >= len(table) or table[p // B] < 0 for p in range(last + 1, last + k))):
-                return None
-            rows.append((seq.start, seq.length, r.block_table, r.state_slot))
-        if not rows:
+        rows = self._after_verify_rows(so)
+        if rows is None:
             return None
-        out = self.graphs.run(rows, lane.row_argmax(batch.num_tokens), streams)
+        shift = batch.position_shift  # a step planned ahead: its rows' true positions are shifted
+        out = self.graphs.run(rows, lane.row_argmax(batch.num_tokens), streams, shift=shift)
         if out is None:
             return None
         starts, accepted = lane.accepted([s.offset for s in batch.seqs], [r.num_draft_tokens for r in so.scheduled])
         at = starts + accepted
-        picked = self._later_passes([(p, t, s) for p, _, t, s in rows], out[0][at], out[1][at], k, shift=accepted)
+        later = accepted if shift is None else accepted + shift[starts]
+        picked = self._later_passes([(p, t, s) for p, _, t, s in rows], out[0][at], out[1][at], self.k, shift=later)
         if picked is None:
             return None  # (no shape: the host path redrafts; its KV writes are the same)
         self.graphs.stats["after_verify_passes"] += 1
         return torch.stack(picked, dim=1)
+
+    def _after_verify_rows(self, so) -> list[tuple[int, int, dict, int]] | None:
+        """The catch-up rows (first position, rows, block table, state slot) per request of
+        :meth:`draft_after_verify`, or None when it cannot draft behind ``so``'s verify graph
+        (positions are the plan's: a step planned ahead has its true ones at or below them)."""
+        k, B = self.k, self.cache.block_size
+        if self.graphs is None or not so.scheduled:
+            return None
+        rows = []
+        for r in so.scheduled:
+            table = r.block_table[GROUP_SWA]
+            last = r.start_pos + r.num_draft_tokens  # the last row's position when every draft is accepted
+            if (r.is_new or r.req_id in self.pending or not r.sampling_params.is_greedy
+                    or not 1 <= r.num_tokens <= MAX_ROWS
+                    or any(p // B >= len(table) or table[p // B] < 0 for p in range(last + 1, last + k))):
+                return None
+            rows.append((r.start_pos, r.num_tokens, r.block_table, r.state_slot))
+        if not self.graphs.has_shape(rows) or (k > 1 and not self.graphs.has_shape([(p, 1, t, s) for p, _, t, s
+                                                                                   in rows])):
+            return None
+        return rows
+
+    def can_draft_after_verify(self, so) -> bool:
+        return self._after_verify_rows(so) is not None
+
+    def device_draft_tokens(self, drafts: torch.Tensor) -> torch.Tensor:
+        return drafts[:, :, 0]
 
     def _later_passes(self, last_rows: list[tuple[int, dict, int]], streams: torch.Tensor, cur: torch.Tensor,
                       k: int, shift: torch.Tensor | None = None) -> list[torch.Tensor] | None:

@@ -95,6 +95,18 @@ class MTPStageGraphs:
         self.graphs.seal()
         return n
 
+    def _shape(self, rows: list[tuple[int, int, dict, int]]) -> tuple[Any, int, int | None, int]:
+        """(the rows as a plan, their count, their rows bucket or None, their width class)."""
+        so = SimpleNamespace(scheduled=[SimpleNamespace(start_pos=p, num_tokens=m, block_table=t, state_slot=s)
+                                        for p, m, t, s in rows])
+        n = sum(m for _, m, _, _ in rows)
+        return so, n, next((b for b in self.buckets if b >= n), None), self.fast._width(so)
+
+    def has_shape(self, rows: list[tuple[int, int, dict, int]]) -> bool:
+        """Whether :meth:`run` over ``rows`` replays a captured graph."""
+        _, _, bucket, width = self._shape(rows)
+        return bucket is not None and self.graphs.has(("mtp", bucket, width))
+
     def run(self, rows: list[tuple[int, int, dict, int]], ids: torch.Tensor | np.ndarray, prev: torch.Tensor,
             shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One pass over ``rows`` [(first position, rows, block table, state slot)] per request
@@ -104,11 +116,7 @@ class MTPStageGraphs:
         when no captured shape holds the pass (the caller drafts eagerly). ``shift`` (device,
         one per row): added to the rows' positions on the device (positions the host does
         not know yet: `MTPDrafter.draft_after_verify`; the tables must hold them)."""
-        so = SimpleNamespace(scheduled=[SimpleNamespace(start_pos=p, num_tokens=m, block_table=t, state_slot=s)
-                                        for p, m, t, s in rows])
-        n = sum(m for _, m, _, _ in rows)
-        bucket = next((b for b in self.buckets if b >= n), None)
-        width = self.fast._width(so)
+        so, n, bucket, width = self._shape(rows)
         if bucket is None or not self.graphs.has(("mtp", bucket, width)):
             self.stats["eager_passes"] += 1
             return None

@@ -11,13 +11,15 @@ sees exactly which rows hold valid KV (real tokens + accepted drafts).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from deepinfer import batch_invariant
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from deepinfer.engine.request import PLACEHOLDER_TOKEN_ID
 from deepinfer.engine.sampler import SamplingTensors
-from deepinfer.engine.transfer import to_device
+from deepinfer.engine.transfer import HostResult, to_device
 from deepinfer.models.bounded_replay import replay_free
 from deepinfer.models.fast.decode_graphs import BUCKETS
 from deepinfer.models.fast.verify_graphs import SpecForward, VerifyGraphs, VerifyStep, verify_row_buckets, verify_shapes
@@ -40,6 +42,21 @@ def forward_capture(model, batch, cache, layers: tuple[int, ...]) -> tuple[torch
     return streams, hidden
 
 
+@dataclass
+class LaneInFlight:
+    """A greedy-lane verify step whose next drafts were made behind it, between `launch` and
+    `collect`: its verification and drafts on their way to the host (``result``), and
+    ``device_drafts``: whether they are also in the device token buffer (a plan may feed them)."""
+
+    so: SchedulerOutput
+    picks: list[int]
+    num_drafts: list[int]
+    offsets: list[int]
+    rows: int
+    result: HostResult
+    device_drafts: bool
+
+
 class SpecDecoder:
     """Owns the drafter, the pending drafts and the speculative metrics of one runner."""
 
@@ -55,6 +72,8 @@ class SpecDecoder:
         self.metrics = SpecMetrics()
         self.confidences: dict[str, list[float]] = {}  # req_id -> confidences of its attached drafts
         self.drafts: dict[str, Draft] = {}  # proposed after the last step, not yet attached
+        #: drafts a step in flight verifies from the device (attach's ``in_flight``), on the host
+        self.device_drafts: dict[str, Draft] = {}
         self.probs: dict[str, torch.Tensor | None] = {}  # q of the drafts attached to requests
         #: confidences of the previous plan: the confidence-scheduled budget comes from them and is
         #: split with the newest (REFERENCE.md sections 3, 8; with async scheduling they are two
@@ -115,24 +134,66 @@ class SpecDecoder:
         streams, hidden = forward_capture(model, batch, runner.cache, layers)
         return (streams, hidden, lambda rows: model.compute_logits(streams[rows])), None
 
+    def _launch_lane(self, runner, so: SchedulerOutput, batch, lane: VerifyStep, early: torch.Tensor,
+                     nd: list[int], picks: list[int]) -> LaneInFlight:
+        """Record the verification and the next drafts in the device token buffer (what a
+        step planned ahead reads) and start their copy to the host; nothing waits."""
+        offsets = [s.offset for s in batch.seqs]
+        greedy = lane.greedy.clone()  # the next replay of this graph rewrites its outputs
+        if self.drafter.plans_ahead:
+            starts, accepted = lane.accepted(offsets, nd)
+            dev = greedy.device
+            meta = to_device([r.state_slot for r in so.scheduled] + nd, torch.long, dev).view(2, -1)
+            bonus = lane.row_argmax(batch.num_tokens)[starts + accepted]
+            runner.token_buffer.record_verify(so, meta[0], bonus, self.drafter.device_draft_tokens(early),
+                                              accepted - meta[1])
+        with phase(SAMPLE):
+            result = runner.copier.start([greedy, early])
+        return LaneInFlight(so, picks, nd, offsets, lane.rows, result, self.drafter.plans_ahead)
+
+    def collect(self, step: ModelRunnerOutput | LaneInFlight) -> ModelRunnerOutput:
+        """The output of a step `launch` returned; lands a `LaneInFlight` (waits for its copy)."""
+        if not isinstance(step, LaneInFlight):
+            return step
+        so = step.so
+        with phase(SAMPLE):
+            host = step.result.wait()
+            res = greedy_verify_result(host[0], step.offsets, step.num_drafts, step.rows)
+        self.drafts = self.drafter.drafts_from_host(so, host[1])
+        self._record(so, step.picks, step.num_drafts, res)
+        sampled: list[list[int]] = [[] for _ in so.scheduled]
+        logprobs: list[list[float]] = [[] for _ in so.scheduled]
+        for i in step.picks:
+            sampled[i], logprobs[i] = res.tokens[i], res.logprobs[i]
+        return ModelRunnerOutput([r.req_id for r in so.scheduled], sampled, logprobs, None)
+
     def _record(self, so: SchedulerOutput, picks: list[int], nd: list[int], res) -> None:
         self.metrics.record(nd, res.num_accepted)
         self.metrics.record_confidences([self.confidences.pop(so.scheduled[i].req_id, [])[:k]
                                          for i, k in zip(picks, nd)], res.num_accepted)
 
     # ------------------------------------------------------------------ host side
-    def attach(self, scheduler, structured=None) -> None:
+    def attach(self, scheduler, structured=None, in_flight: frozenset[str] | set[str] = frozenset()) -> None:
         """Give running requests the drafts proposed for them (after Scheduler.update).
         Fixed-length: k each; confidence-scheduled: the budget from the previous plan's
-        confidences, split by the newest ones (`split_budget`).
+        confidences, split by the newest ones (`split_budget`). Requests of a step still in
+        flight (``in_flight``: planned ahead, `spec/plan_ahead.py`) verify these drafts there,
+        fed from the device: they are kept in ``device_drafts`` instead.
 
         Constrained requests (``structured``: the engine's StructuredOutputManager) keep
         the drafts their grammar accepts, plus the first rejected one when the proposal
         is stochastic (`drafts_to_verify` says why: it keeps verification lossless)."""
         cands = []  # (request, draft, grammar-valid drafts, drafts to verify at most)
+        self.device_drafts = {}
         for req in scheduler.running:
             d = self.drafts.pop(req.req_id, None)
             if d is None:
+                if PLACEHOLDER_TOKEN_ID in req.draft_token_ids:  # marked for a plan that did not take it
+                    req.draft_token_ids, req.draft_confidences = [], []
+                continue
+            if req.req_id in in_flight:
+                self.device_drafts[req.req_id] = d
+                self.confidences[req.req_id] = list(d.confidences[:self.k])
                 continue
             n = min(self.k, len(d.tokens))
             valid = structured.valid_draft_prefix(req, d.tokens[:n]) if structured is not None else None
@@ -162,8 +223,19 @@ class SpecDecoder:
     # ---------------------------------------------------------------- device side
     @torch.no_grad()
     def execute(self, runner, so: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
+        """Run one speculative step and wait for its results (the synchronous loop)."""
+        return self.collect(self.launch(runner, so, grammar))
+
+    @torch.no_grad()
+    def launch(self, runner, so: SchedulerOutput, grammar=None) -> ModelRunnerOutput | LaneInFlight:
+        """Run one speculative step. Under async scheduling (the runner has a device token
+        buffer) a fixed-length greedy-lane step that drafted behind its verify graph returns
+        as soon as its copy to the host has started (`LaneInFlight`, landed by `collect`);
+        every other step returns its output."""
         t0 = time.perf_counter()
         out = self._execute(runner, so, grammar)
+        if isinstance(out, LaneInFlight):
+            return out
         # a pure verify step (every request: last token + drafts) corrects the step-time curve;
         # its results reached the host above, so the host clock covers the device work
         if isinstance(self.curve, OnlineStepTimeCurve) and so.scheduled and all(
@@ -195,11 +267,17 @@ class SpecDecoder:
         tops: list = [[] for _ in so.scheduled]
         any_top = any(so.scheduled[i].sampling_params.top_logprobs for i in picks)
         drafted = None  # drafts launched behind the verify graph (Drafter.draft_after_verify)
+        if batch.position_shift is not None and lane is None:
+            raise RuntimeError("a speculative step planned ahead left the verify graphs' greedy lane")
         if lane is not None:
             for r in so.scheduled:
                 self.probs.pop(r.req_id, None)
             nd = [r.num_draft_tokens for r in so.scheduled]
             early = self.drafter.draft_after_verify(so, batch, streams, hidden, lane)
+            if early is None and batch.position_shift is not None:
+                raise RuntimeError("a speculative step planned ahead did not draft behind its verify graph")
+            if early is not None and runner.token_buffer is not None and not self.varlen:
+                return self._launch_lane(runner, so, batch, lane, early, nd, picks)
             with phase(SAMPLE):
                 host = runner.copier.start([lane.greedy] + ([early] if early is not None else [])).wait()
                 res = greedy_verify_result(host[0], [s.offset for s in batch.seqs], nd, lane.rows)

@@ -71,6 +71,7 @@ class VerifyStep:
     streams: torch.Tensor
     greedy: torch.Tensor | None = None
     rows: int = 0
+    _accepted: tuple | None = None
 
     def row_argmax(self, n: int) -> torch.Tensor:
         """The lane's argmax of the step's first ``n`` rows, on the device."""
@@ -79,10 +80,13 @@ class VerifyStep:
     def accepted(self, offsets: list[int], num_drafts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """On the device, per request group starting at ``offsets`` with ``num_drafts``: (its
         first row, its accepted drafts), what ``spec.verify.greedy_verify_result`` reads on
-        the host."""
-        meta = to_device(list(offsets) + list(num_drafts), torch.long, self.greedy.device).view(2, -1)
-        first = self.greedy[2 * self.rows: 2 * self.rows + len(offsets)]
-        return meta[0], torch.minimum(first - meta[0], meta[1])
+        the host. Computed once per step (the drafter and the token buffer both read it)."""
+        key = (tuple(offsets), tuple(num_drafts))
+        if self._accepted is None or self._accepted[0] != key:
+            meta = to_device(list(offsets) + list(num_drafts), torch.long, self.greedy.device).view(2, -1)
+            first = self.greedy[2 * self.rows: 2 * self.rows + len(offsets)]
+            self._accepted = (key, meta[0], torch.minimum(first - meta[0], meta[1]))
+        return self._accepted[1], self._accepted[2]
 
 
 def greedy_verify_packed(ids: torch.Tensor, packed: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
@@ -189,6 +193,22 @@ class VerifyGraphs:
             self.graph_bytes = after - before
         return len(self.warmed)
 
+    def _shape(self, so: Any, n: int, width: int) -> tuple[int, bool]:
+        """(padded rows, graphed) of a decode-like step of ``n`` rows."""
+        bucket = self._bucket(n)
+        graphed = self.fast.graphs_enabled and bucket is not None and all(r.needs_sample for r in so.scheduled)
+        return (bucket if graphed else n), graphed
+
+    def takes_greedy_lane(self, so: Any) -> bool:
+        """Whether :meth:`run` with ``greedy`` replays the greedy lane's graph for ``so``
+        (the caller has checked the requests themselves: all greedy, no grammar)."""
+        fast = self.fast
+        if not so.scheduled or not fast._decode_like(so):
+            return False
+        width = fast._width(so)
+        rows, graphed = self._shape(so, sum(r.num_tokens for r in so.scheduled), width)
+        return graphed and fast.graphs.has(self._key(rows, width, greedy=True))
+
     def forward(self, so: Any, batch: ForwardBatch, capture: dict | None = None) -> torch.Tensor | None:
         """Final streams [T, ...] of a decode-like step (None when it is not one: the
         reference path runs it), from its graph when the shape is in the set; fills
@@ -208,12 +228,13 @@ class VerifyGraphs:
         if layers and layers != self.layers:
             raise ValueError(f"VerifyGraphs captures layers {self.layers}, the step asked for {layers}")
         n, width = batch.num_tokens, fast._width(so)
-        bucket = self._bucket(n)
-        graphed = (fast.graphs_enabled and bucket is not None and all(r.needs_sample for r in so.scheduled))
-        rows = bucket if graphed else n
+        rows, graphed = self._shape(so, n, width)
         inputs = (fast._graph_inputs(rows, width) if graphed
                   else StepInputs.allocate(rows, width, fast.groups, fast.device))
         copy_to_device(inputs.flat, fast._host_inputs(so, width, rows))
+        if batch.position_shift is not None:  # a step planned ahead: the true positions (padding repeats row 0)
+            inputs.positions[:n] += batch.position_shift.to(inputs.positions.dtype)
+            inputs.positions[n:] = inputs.positions[:1]
         inputs.ids[:n].copy_(batch.input_ids)
         if rows > n:
             inputs.ids[n:].copy_(inputs.ids[:1].expand(rows - n))

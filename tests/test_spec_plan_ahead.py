@@ -1,0 +1,142 @@
+"""Speculative steps planned ahead (deepinfer/spec/plan_ahead.py) on CPU, graphs emulated on
+the host buffers: on the trained default, whose MTP stage drafts real tokens, async
+scheduling plans step N+1 before step N lands, feeds its placeholders from the device
+token buffer (debug sentinels on) at positions shifted on the device, and gives exactly
+the tokens of no speculation; the plans that cannot run on the device fall back to
+landing first; window blocks the shifted rows still read are kept; preemption, stops
+and a queue of waiting requests compose."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any deepinfer_kernels module is imported
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+
+from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.models.default_model import trained_model_dir  # noqa: E402
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 3, "Once upon a time, there was a", "def fibonacci(n):"]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _llm(monkeypatch, k: int, async_scheduling: bool = True, **kw) -> LLM:
+    monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_WARMUP", "1")  # the start-up capture, emulated on the host
+    kw.setdefault("max_model_len", 256)
+    kw.setdefault("max_num_seqs", 4)
+    llm = LLM(trained_model_dir(), dtype="float32", num_speculative_tokens=k, max_num_batched_tokens=64,
+              async_scheduling=async_scheduling, **kw)
+    if llm.async_loop is not None:
+        llm.async_loop.tokens.debug = True  # a wrong or double gather fails loudly
+    return llm
+
+
+def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    """Text prompts, or token-id lists."""
+    if prompts and isinstance(prompts[0], list):
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """No speculation, synchronous: the tokens every run below must give."""
+    mp = pytest.MonkeyPatch()
+    try:
+        llm = _llm(mp, 0, async_scheduling=False, max_model_len=512)
+        return lambda prompts, params: _tokens(llm, prompts, params)
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_planned_ahead_steps_give_the_tokens_of_no_speculation(monkeypatch, reference, k):
+    llm = _llm(monkeypatch, k)
+    assert _tokens(llm, PROMPTS, GREEDY) == reference(PROMPTS, GREEDY)
+    loop, planner = llm.async_loop, llm.async_loop.planner
+    # all but the prompt steps and the first verify were planned (and launched) ahead
+    assert planner.stats["planned_ahead"] >= 15 and planner.stats["resolved"] == 0
+    assert loop.stats.overlapped == planner.stats["planned_ahead"]
+    assert loop.tokens.num_gathered >= 15 * (k + 1) * len(PROMPTS) // 2
+    assert sum(llm.runner.spec.metrics.accepted) > 0  # drafts fed from the device were accepted
+    llm.kv_manager.assert_consistent()
+
+
+def test_plans_that_leave_the_device_path_land_first(monkeypatch, reference):
+    """Every other plan made ahead is refused: the step in flight lands, the plan gets its
+    real tokens and positions, and the host path runs it."""
+    llm = _llm(monkeypatch, 3)
+    planner = llm.async_loop.planner
+    real, calls = planner.device_step_ok, [0]
+
+    def alternate(so):
+        calls[0] += 1
+        return real(so) and calls[0] % 2 == 0
+
+    monkeypatch.setattr(planner, "device_step_ok", alternate)
+    assert _tokens(llm, PROMPTS, GREEDY) == reference(PROMPTS, GREEDY)
+    assert planner.stats["resolved"] >= 5 and planner.stats["planned_ahead"] > planner.stats["resolved"]
+
+
+def test_shifted_rows_keep_the_window_blocks_they_read(monkeypatch, reference):
+    """Prompts of 360-380 tokens cross the second window block boundary while generating
+    (128-token window and blocks): a plan made ahead sits up to k rows below its positions,
+    so the window group must keep the block those rows still read."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(8192) for _ in range(n)] for n in (360, 371, 380)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = _llm(monkeypatch, 3, max_model_len=512)
+    assert llm.kv_manager.window_slack == 3
+    assert _tokens(llm, prompts, params) == reference(prompts, params)
+    assert llm.async_loop.planner.stats["planned_ahead"] > 10
+
+
+def test_preemption_stops_and_a_waiting_queue(monkeypatch, reference):
+    """Two seats for five requests (a queue: no plan is made ahead while one waits), a pool
+    small enough to preempt, and EOS stops: the same tokens and finish reasons."""
+    prompts = PROMPTS + ["Hello world, this is", "In the beginning"]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (30, 12, 40, 25, 18)]
+    want = reference(prompts, params)
+    llm = _llm(monkeypatch, 3, max_num_seqs=2, num_kv_blocks=3)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == want
+    assert llm.async_loop.planner.stats["planned_ahead"] > 0
+    llm.kv_manager.assert_consistent()
+    assert all(p.num_free == p.num_blocks for p in llm.kv_manager.pools.values())
+
+
+def _drafts_by_output_length(monkeypatch, llm: LLM) -> dict[tuple[str, int], tuple[list[int], list[float]]]:
+    """Every attached draft keyed by (request, its output length when drafted): a function of
+    the tokens alone, whichever loop ran (the loops cap how many are verified differently)."""
+    spec, attach, seen = llm.runner.spec, llm.runner.spec.attach, {}
+
+    def recording_attach(scheduler, structured=None, in_flight=frozenset()):
+        for rid, d in spec.drafts.items():
+            req = scheduler.requests.get(rid)
+            if req is not None:
+                seen[(rid, req.num_output_tokens)] = (d.tokens, d.confidences)
+        attach(scheduler, structured, in_flight)
+
+    monkeypatch.setattr(spec, "attach", recording_attach)
+    llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return seen
+
+
+def test_planned_ahead_drafts_equal_the_synchronous_loops(monkeypatch):
+    """k = 3: the drafts made behind a verify graph at shifted positions (the stage's catch-up
+    and later passes) equal, with their confidences, the synchronous loop's at the same
+    output length."""
+    got = _drafts_by_output_length(monkeypatch, _llm(monkeypatch, 3))
+    want = _drafts_by_output_length(monkeypatch, _llm(monkeypatch, 3, async_scheduling=False))
+    common = sorted(set(got) & set(want))
+    assert len(common) >= 30
+    for key in common:
+        assert got[key][0] == want[key][0], key
+        assert got[key][1] == pytest.approx(want[key][1], rel=1e-4, abs=1e-6), key
