@@ -124,6 +124,9 @@ def graph_info(llm: LLM) -> dict:
     draft = getattr(spec.drafter, "graphs", None) if spec is not None else None
     if draft is not None and hasattr(draft, "stats"):
         info["draft_graph_stats"] = dict(draft.stats)
+    loop = llm.async_loop  # steps overlapped with the one before (speculative: planned ahead)
+    if loop is not None:
+        info["async"] = loop.stats.as_dict() | (dict(loop.planner.stats) if loop.planner is not None else {})
     return info
 
 
