@@ -39,7 +39,9 @@ def test_graphed_mtp_drafts_what_the_eager_drafter_drafts(monkeypatch, k):
     graphed, tokens, accepted, proposed = _run(monkeypatch, "1", k)
     eager, tokens0, accepted0, proposed0 = _run(monkeypatch, "0", k)
     assert graphed.graphs is not None and eager.graphs is None
-    assert graphed.graphs.stats["graph_passes"] > 0 and graphed.graphs.stats["eager_passes"] == 0
+    # (k = 1: every greedy-lane step's catch-up runs inside its verify graph, spec/mtp_verify_tail.py,
+    # so the stage's own graphs have no pass left to run)
+    assert (graphed.graphs.stats["graph_passes"] > 0 or k == 1) and graphed.graphs.stats["eager_passes"] == 0
     assert graphed.graphs.graphs.stats["uncaptured_steps"] == 0  # every pass replayed a captured shape
     assert tokens == tokens0 and accepted == accepted0 and proposed == proposed0
     assert sum(accepted) > 0  # the trained stage's drafts are accepted: the drafts themselves were compared

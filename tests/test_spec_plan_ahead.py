@@ -66,6 +66,9 @@ def test_planned_ahead_steps_give_the_tokens_of_no_speculation(monkeypatch, refe
     assert loop.stats.overlapped == planner.stats["planned_ahead"]
     assert loop.tokens.num_gathered >= 15 * (k + 1) * len(PROMPTS) // 2
     assert sum(llm.runner.spec.metrics.accepted) > 0  # drafts fed from the device were accepted
+    # the stage's catch-up and the record ran inside the verify graph (spec/mtp_verify_tail.py)
+    counts = llm.runner.spec._verify.counts
+    assert counts["tail_steps"] == counts["greedy_steps"] >= planner.stats["planned_ahead"]
     llm.kv_manager.assert_consistent()
 
 

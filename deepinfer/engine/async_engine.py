@@ -90,8 +90,10 @@ class AsyncStepLoop:
     def __init__(self, core: Any, debug: bool = False) -> None:
         self.core = core
         self.scheduler = AsyncScheduler(core.scheduler)
+        spec = core.runner.spec
         self.tokens = DeviceTokenBuffer(core.config.max_num_seqs, core.runner.device, debug=debug,
-                                        width=1 + core.config.num_speculative_tokens)
+                                        width=1 + core.config.num_speculative_tokens,
+                                        storage=spec.token_storage if spec is not None else None)
         core.runner.token_buffer = self.tokens
         self.spec = core.runner.spec
         self.planner = None  # speculative steps planned ahead (deepinfer/spec/plan_ahead.py)

@@ -37,19 +37,30 @@ __all__ = ["DeviceTokenBuffer"]
 
 
 class DeviceTokenBuffer:
-    """``last[max_num_seqs, width]`` int64 on the device, indexed by state slot (``width``:
-    1 + the drafts per step; 1 without speculation), and ``shift[max_num_seqs]``."""
+    """``last[max_num_seqs + 1, width]`` int64 on the device, indexed by state slot (``width``:
+    1 + the drafts per step; 1 without speculation; the last row is spare), and ``shift``."""
 
-    def __init__(self, max_num_seqs: int, device: torch.device, debug: bool = False, width: int = 1) -> None:
-        if not isinstance(width, int) or width < 1:
-            raise ValueError(f"DeviceTokenBuffer: width must be an int >= 1, got {width!r}")
+    def __init__(self, max_num_seqs: int, device: torch.device, debug: bool = False, width: int = 1,
+                 storage: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.device, self.debug = torch.device(device), debug
-        self.last = torch.full((max_num_seqs, width), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=self.device)
-        self.shift = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
+        #: (last, shift) with one spare row past the slots (``allocate``): what the verify
+        #: graphs' tail records into (spec/mtp_verify_tail.py), allocated before their capture
+        self.last, self.shift = storage if storage is not None else self.allocate(max_num_seqs, width, self.device)
+        if self.last.shape[0] <= max_num_seqs or self.last.shape[1] != width:
+            raise ValueError(f"DeviceTokenBuffer: storage of {tuple(self.last.shape)} for {max_num_seqs} slots "
+                             f"(+ 1 spare) x width {width}")
         #: the plans whose inputs were filled / whose samples were recorded last (bypass checks)
         self.filled: SchedulerOutput | None = None
         self.recorded: SchedulerOutput | None = None
         self.num_gathered = 0
+
+    @staticmethod
+    def allocate(max_num_seqs: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last [max_num_seqs + 1, width], shift [max_num_seqs + 1]): slots, then a spare row."""
+        if not isinstance(width, int) or width < 1:
+            raise ValueError(f"DeviceTokenBuffer: width must be an int >= 1, got {width!r}")
+        last = torch.full((max_num_seqs + 1, width), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=device)
+        return last, torch.zeros(max_num_seqs + 1, dtype=torch.long, device=device)
 
     def placeholder_index(self, so: SchedulerOutput) -> tuple[list[int], list[int]]:
         """(flat input rows, flat indices into ``last``) of ``so``'s placeholder input ids."""

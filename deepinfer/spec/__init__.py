@@ -65,7 +65,15 @@ def setup(llm) -> None:
                                    max_model_len=llm.config.max_model_len)
     # the confidence scheduler's T(verify tokens) is measured by `measure_step_curve` once the
     # verify graphs are captured (`ModelRunner.warmup`): it times the steps verification runs
-    llm.runner.spec = SpecDecoder(drafter, k, varlen=llm.config.enable_mtp_varlen)
+    spec = llm.runner.spec = SpecDecoder(drafter, k, varlen=llm.config.enable_mtp_varlen)
+    # what a plan made ahead reads (engine/token_buffer.py), allocated before the graphs that record into it
+    from deepinfer.engine.token_buffer import DeviceTokenBuffer
+    spec.token_storage = DeviceTokenBuffer.allocate(llm.config.max_num_seqs, 1 + k, llm.runner.device)
+    verify = spec.verify_executor(llm.runner, llm.config.max_num_seqs)
+    if verify is not None and verify.has_greedy_lane and getattr(drafter, "graphs", None) is not None \
+            and drafter.plans_ahead:  # the MTP stage's catch-up inside the lane's graphs
+        from .mtp_verify_tail import MTPVerifyTail
+        verify.tail = MTPVerifyTail(drafter.graphs, *spec.token_storage)
     llm.scheduler.config.num_lookahead_tokens = drafter.lookahead
     if drafter.plans_ahead and llm.config.async_scheduling:  # rows of a plan made ahead sit up to k lower
         llm.kv_manager.window_slack = k

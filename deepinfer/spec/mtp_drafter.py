@@ -175,13 +175,23 @@ class MTPDrafter(Drafter):
         if rows is None:
             return None
         shift = batch.position_shift  # a step planned ahead: its rows' true positions are shifted
-        out = self.graphs.run(rows, lane.row_argmax(batch.num_tokens), streams, shift=shift)
-        if out is None:
-            return None
-        starts, accepted = lane.accepted([s.offset for s in batch.seqs], [r.num_draft_tokens for r in so.scheduled])
-        at = starts + accepted
+        b = len(so.scheduled)
+        if lane.tail is not None:  # the catch-up and its pick ran inside the verify graph
+            first, first_streams, accepted = (t[:b] for t in lane.tail)
+            if self.k == 1:
+                self.graphs.stats["after_verify_passes"] += 1
+                return first.unsqueeze(1).clone()  # the next replay rewrites the graph's outputs
+            starts = None
+        else:
+            out = self.graphs.run(rows, lane.row_argmax(batch.num_tokens), streams, shift=shift)
+            if out is None:
+                return None
+            starts, accepted = lane.accepted([s.offset for s in batch.seqs], [r.num_draft_tokens for r in so.scheduled])
+            first, first_streams = out[1][starts + accepted], out[0][starts + accepted]
+        if shift is not None and starts is None:
+            starts, _ = lane.accepted([s.offset for s in batch.seqs], [r.num_draft_tokens for r in so.scheduled])
         later = accepted if shift is None else accepted + shift[starts]
-        picked = self._later_passes([(p, t, s) for p, _, t, s in rows], out[0][at], out[1][at], self.k, shift=later)
+        picked = self._later_passes([(p, t, s) for p, _, t, s in rows], first_streams, first, self.k, shift=later)
         if picked is None:
             return None  # (no shape: the host path redrafts; its KV writes are the same)
         self.graphs.stats["after_verify_passes"] += 1

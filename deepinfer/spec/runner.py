@@ -81,6 +81,8 @@ class SpecDecoder:
         #: is verified depend on draft j itself (c_{j+1} reads x_j): not lossless.
         self.older_confidences: list[list[float]] | None = None
         self._verify = None  # VerifyGraphs once built (verify_executor)
+        #: (last, shift) device storage of the async loop's token buffer (set by ``spec.setup``)
+        self.token_storage: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------ compiled verify
     def verify_executor(self, runner, max_num_seqs: int = BUCKETS[-1]):
@@ -140,13 +142,18 @@ class SpecDecoder:
         step planned ahead reads) and start their copy to the host; nothing waits."""
         offsets = [s.offset for s in batch.seqs]
         greedy = lane.greedy.clone()  # the next replay of this graph rewrites its outputs
-        if self.drafter.plans_ahead:
+        buffer = runner.token_buffer
+        if self.drafter.plans_ahead and lane.tail is not None:  # the graph recorded bonus, draft 1, shift
+            buffer.recorded = so
+            if early.shape[1] > 1:
+                slots = to_device([r.state_slot for r in so.scheduled], torch.long, greedy.device)
+                buffer.last[slots, 2:early.shape[1] + 1] = self.drafter.device_draft_tokens(early)[:, 1:]
+        elif self.drafter.plans_ahead:
             starts, accepted = lane.accepted(offsets, nd)
             dev = greedy.device
             meta = to_device([r.state_slot for r in so.scheduled] + nd, torch.long, dev).view(2, -1)
             bonus = lane.row_argmax(batch.num_tokens)[starts + accepted]
-            runner.token_buffer.record_verify(so, meta[0], bonus, self.drafter.device_draft_tokens(early),
-                                              accepted - meta[1])
+            buffer.record_verify(so, meta[0], bonus, self.drafter.device_draft_tokens(early), accepted - meta[1])
         with phase(SAMPLE):
             result = runner.copier.start([greedy, early])
         return LaneInFlight(so, picks, nd, offsets, lane.rows, result, self.drafter.plans_ahead)

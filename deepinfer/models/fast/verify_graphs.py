@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from deepinfer.engine.transfer import copy_to_device, to_device
@@ -71,6 +72,8 @@ class VerifyStep:
     streams: torch.Tensor
     greedy: torch.Tensor | None = None
     rows: int = 0
+    #: the outputs of the graph's ``VerifyGraphs.tail`` (None without one, off the lane)
+    tail: tuple | None = None
     _accepted: tuple | None = None
 
     def row_argmax(self, n: int) -> torch.Tensor:
@@ -146,8 +149,14 @@ class VerifyGraphs:
         self.warmed: list[tuple] = []  # (rows, width) and (rows, width, "greedy") captured
         #: device bytes the captured verify set took (None: not measured / not captured)
         self.graph_bytes: int | None = None
-        self.counts = {"steps": 0, "graph_steps": 0, "eager_steps": 0, "greedy_steps": 0}
+        #: tail_steps: greedy-lane steps whose graph also ran the ``tail``
+        self.counts = {"steps": 0, "graph_steps": 0, "eager_steps": 0, "greedy_steps": 0, "tail_steps": 0}
         self.greedy_max_rows = greedy_lane_max_rows(fast.model.cfg.vocab_size)
+        #: work captured at the end of the greedy lane's graphs, set before the warm-up:
+        #: ``tail(meta, streams, packed, greedy, n_groups)`` -> tensors (the MTP stage's
+        #: catch-up, spec/mtp_verify_tail.py); its graphs read the step's request count
+        self.tail: Callable[..., tuple] | None = None
+        self._tail_inputs: dict[tuple[int, int], tuple[StepInputs, torch.Tensor]] = {}
 
     def _bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -162,13 +171,32 @@ class VerifyGraphs:
     def has_greedy_lane(self) -> bool:
         return self.fast.program.verify is not None
 
-    def _body_greedy(self, meta: Any) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    def _body_greedy(self, arg: Any) -> tuple:
+        """The lane's graph: ``arg`` a step's meta, or (meta, n_groups) with a ``tail``."""
         fast = self.fast
+        meta, n_groups = arg if isinstance(arg, tuple) else (arg, None)
         capture = dict.fromkeys(self.layers) if self.layers else None
         streams, logits = fast.program.verify(fast.model, fast.batch_of(meta), fast.cache, capture)
         packed = torch.empty(logits.shape[0], 2, dtype=torch.int64, device=logits.device)
         fast.ops.argmax_logsumexp(logits, packed=packed)
-        return streams, capture or {}, greedy_verify_packed(meta.ids, packed, meta.starts)
+        greedy = greedy_verify_packed(meta.ids, packed, meta.starts)
+        if n_groups is None:
+            return streams, capture or {}, greedy
+        return streams, capture or {}, greedy, self.tail(meta, streams, packed, greedy, n_groups)
+
+    def _lane_inputs(self, rows: int, width: int) -> tuple[StepInputs, torch.Tensor]:
+        """A tailed lane graph's persistent inputs: the step's, then its request count."""
+        buf = self._tail_inputs.get((rows, width))
+        if buf is None:
+            fast = self.fast
+            head = 4 * rows + 1
+            flat = torch.zeros(head + len(fast.groups) * width * rows + 1, dtype=torch.int32, device=fast.device)
+            tables = {g: flat[head + i * width * rows:head + (i + 1) * width * rows].view(rows, width)
+                      for i, g in enumerate(fast.groups)}
+            inputs = StepInputs(flat, flat[:rows], flat[rows:2 * rows], flat[2 * rows:3 * rows], flat[3 * rows:head],
+                                tables)
+            buf = self._tail_inputs[(rows, width)] = (inputs, flat[-1:])
+        return buf
 
     def warmup(self, shapes: list[tuple[int, int]]) -> int:
         """Capture the graphs of ``shapes`` (largest first: the smaller reuse the pool) on
@@ -186,12 +214,19 @@ class VerifyGraphs:
                 self.warmed.append((rows, width))
             greedy = self._key(rows, width, greedy=True)
             if self.has_greedy_lane and rows <= self.greedy_max_rows and not fast.graphs.has(greedy):
-                fast.graphs.capture(greedy, fast._dummy_meta(rows, width), self._body_greedy)
+                fast.graphs.capture(greedy, self._dummy_lane_arg(rows, width), self._body_greedy)
                 self.warmed.append((rows, width, "greedy"))
         after = reserved_bytes(fast.device)
         if before is not None and after is not None:
             self.graph_bytes = after - before
         return len(self.warmed)
+
+    def _dummy_lane_arg(self, rows: int, width: int) -> Any:
+        if self.tail is None:
+            return self.fast._dummy_meta(rows, width)
+        inputs, n_groups = self._lane_inputs(rows, width)
+        inputs.fill_dummy()  # no request: the tail records into the spare row only
+        return self.fast._meta(inputs, width, True, rows), n_groups
 
     def _shape(self, so: Any, n: int, width: int) -> tuple[int, bool]:
         """(padded rows, graphed) of a decode-like step of ``n`` rows."""
@@ -229,9 +264,15 @@ class VerifyGraphs:
             raise ValueError(f"VerifyGraphs captures layers {self.layers}, the step asked for {layers}")
         n, width = batch.num_tokens, fast._width(so)
         rows, graphed = self._shape(so, n, width)
-        inputs = (fast._graph_inputs(rows, width) if graphed
-                  else StepInputs.allocate(rows, width, fast.groups, fast.device))
-        copy_to_device(inputs.flat, fast._host_inputs(so, width, rows))
+        lane = greedy and graphed and fast.graphs.has(self._key(rows, width, greedy=True))
+        host = fast._host_inputs(so, width, rows)
+        if lane and self.tail is not None:
+            inputs, n_groups = self._lane_inputs(rows, width)
+            host = np.append(host, np.int32(len(so.scheduled)))
+        else:
+            inputs = (fast._graph_inputs(rows, width) if graphed
+                      else StepInputs.allocate(rows, width, fast.groups, fast.device))
+        copy_to_device(inputs.flat, host)
         if batch.position_shift is not None:  # a step planned ahead: the true positions (padding repeats row 0)
             inputs.positions[:n] += batch.position_shift.to(inputs.positions.dtype)
             inputs.positions[n:] = inputs.positions[:1]
@@ -241,13 +282,18 @@ class VerifyGraphs:
         meta = fast._meta(inputs, width, graphed, n)
         self.counts["steps"] += 1
         fast._counts["fast_steps"] += 1  # the fast path's step counts include its verify steps
-        lane = greedy and graphed and fast.graphs.has(self._key(rows, width, greedy=True))
-        result = None
+        result = tail = None
         if lane:
             self.counts["graph_steps"] += 1
             self.counts["greedy_steps"] += 1
             fast._counts["graph_steps"] += 1
-            streams, hidden, result = fast.graphs.replay(self._key(rows, width, greedy=True), meta, self._body_greedy)
+            if self.tail is None:
+                streams, hidden, result = fast.graphs.replay(self._key(rows, width, greedy=True), meta,
+                                                             self._body_greedy)
+            else:
+                self.counts["tail_steps"] += 1
+                streams, hidden, result, tail = fast.graphs.replay(self._key(rows, width, greedy=True),
+                                                                   (meta, n_groups), self._body_greedy)
         elif graphed:
             self.counts["graph_steps"] += 1
             fast._counts["graph_steps"] += 1
@@ -257,7 +303,7 @@ class VerifyGraphs:
             streams, hidden = self._body(meta)
         for i in layers:
             capture[i] = hidden[i][:n]
-        return VerifyStep(streams[:n], result, rows)
+        return VerifyStep(streams[:n], result, rows, tail)
 
 
 __all__ = ["GREEDY_LOGITS_BYTES", "GREEDY_MAX_ROWS", "VerifyGraphs", "VerifyStep", "greedy_lane_max_rows",

@@ -1,0 +1,56 @@
+"""The MTP stage's catch-up inside the verify graphs' greedy lane: one replay per speculative step.
+
+A greedy-lane verify step knows on the device, per request, its accepted run and the
+argmax of every row. The MTP drafter's catch-up (`MTPDrafter.draft_after_verify`) runs the
+stage over every verify row fed that argmax and reads the first draft at the run's end;
+here the same pass, the pick and the step's record for a plan made ahead (the bonus
+token, the first draft and the shift, `DeviceTokenBuffer.record_verify`) are captured in
+the verify graph itself (`VerifyGraphs.tail`), so a k = 1 step launches one graph and
+its copy, and nothing else. Later drafts (k > 1) stay one-row passes of `MTPStageGraphs`.
+
+Padded groups (rows past the step's requests: their own group each, repeating row 0)
+record into the buffer's spare row, so they never overwrite request 0's slot; the
+graph's input ``n_groups`` (copied with the step's inputs) says which groups are real.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from .mtp_graphs import MTPStageGraphs
+
+__all__ = ["MTPVerifyTail"]
+
+
+class MTPVerifyTail:
+    """``tail(meta, streams, packed, greedy, n_groups)`` -> per group (first draft packed
+    [R, 2] (token, log-prob bits), its output streams [R, N, D], accepted drafts [R])."""
+
+    def __init__(self, stage: MTPStageGraphs, last: torch.Tensor, shift: torch.Tensor) -> None:
+        if last.shape[0] != shift.shape[0] or last.shape[1] < 2:
+            raise ValueError(f"MTPVerifyTail: token storage [{tuple(last.shape)}] / shift [{tuple(shift.shape)}] "
+                             f"must have the same rows (slots + a spare one) and at least 2 columns")
+        self.stage, self.last, self.shift = stage, last, shift
+        self.spare = last.shape[0] - 1  # padded groups record here
+
+    def __call__(self, meta: Any, streams: torch.Tensor, packed: torch.Tensor, greedy: torch.Tensor,
+                 n_groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        r = packed.shape[0]
+        argmax = packed[:, 0]
+        stage_streams, stage_packed = self.stage._body((dataclasses.replace(meta, ids=argmax.to(meta.ids.dtype)),
+                                                        streams))
+        starts = meta.starts[:r].long()
+        num_drafts = (meta.starts[1:r + 1].long() - starts - 1).clamp(min=0)
+        accepted = torch.minimum(greedy[2 * r: 3 * r] - starts, num_drafts).clamp(min=0)
+        at = (starts + accepted).clamp(max=r - 1)
+        draft = stage_packed[at]
+        group = torch.arange(r, device=packed.device)
+        dest = torch.where(group < n_groups.long(), meta.slots[starts.clamp(max=r - 1)].long(),
+                           torch.full_like(group, self.spare))
+        self.last[dest, 0] = argmax[at]
+        self.last[dest, 1] = draft[:, 0]
+        self.shift[dest] = accepted - num_drafts
+        return draft, stage_streams[at], accepted
