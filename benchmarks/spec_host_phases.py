@@ -5,7 +5,8 @@ default (off, MTP, DSpark: the configurations of `spec_h200.py`), greedy, after 
     PYTHONPATH=. python3 benchmarks/spec_host_phases.py [--configs off,mtp-k1,dspark-k5-fixed]
         [--batches 1,16] [--tokens 128] [--out DIR] [--tiny]   # --tiny: CPU smoke run (tests)
 
-Nested timers overlap (``spec execute`` contains ``verify forward`` and ``draft``). The
+The table is per steady decode step: a 1-token run of the same batch (its prefill) is
+timed first and its time and calls are taken out. Nested timers overlap (``spec execute`` contains ``verify forward`` and ``draft``). The
 ``copy wait`` rows are where the host waits for the device: a step whose other rows add
 up to most of its time is host-bound. Also writes a cProfile of each timed run
 (a second run, ``spec_host_phases_<label>_b<batch>.pstats``) and prints its top functions by own time.
@@ -47,16 +48,23 @@ def instrument() -> list[tuple[object, str, object]]:
     from deepinfer.spec.dspark_drafter import DSparkDrafter
     from deepinfer.spec.mtp_drafter import MTPDrafter
     from deepinfer.spec.mtp_graphs import MTPStageGraphs
+    from deepinfer.spec.plan_ahead import SpeculativePlanner
+    from deepinfer.engine.async_engine import AsyncStepLoop
+    from deepinfer.engine.token_buffer import DeviceTokenBuffer
 
     targets = [
-        (EngineCore, "step", "step (all)"), (Scheduler, "schedule", "schedule"),
+        (EngineCore, "step", "step (all)"), (AsyncStepLoop, "step", "async loop step"),
+        (Scheduler, "schedule", "schedule"), (SpeculativePlanner, "device_step_ok", "  planner.device_step_ok"),
         (ModelRunner, "launch", "launch"), (ModelRunner, "build_batch", "  build_batch"),
-        (ModelRunner, "sample", "sample (spec execute)"),
+        (ModelRunner, "sample", "sample (spec execute)"), (spec_runner.SpecDecoder, "launch", "  spec.launch"),
+        (spec_runner.SpecDecoder, "_launch_lane", "  spec._launch_lane"),
+        (spec_runner.SpecDecoder, "collect", "  spec.collect"),
+        (DeviceTokenBuffer, "fill", "  token_buffer.fill"), (DeviceTokenBuffer, "record_verify", "  record_verify"),
         (spec_runner.SpecDecoder, "_forward", "  verify forward"), (VerifyGraphs, "run", "    VerifyGraphs.run"),
         (FastPath, "_host_inputs", "    fast._host_inputs"),
         (spec_runner, "greedy_verify_result", "  greedy_verify_result"),
         (spec_runner.SpecDecoder, "_record", "  spec metrics record"),
-        (MTPDrafter, "propose", "  draft (MTP)"), (MTPStageGraphs, "run", "    MTPStageGraphs.run"),
+        (MTPDrafter, "propose", "  draft (MTP)"), (MTPDrafter, "draft_after_verify", "  MTP draft_after_verify"), (MTPStageGraphs, "run", "    MTPStageGraphs.run"),
         (DSparkDrafter, "propose", "  draft (DSpark)"), (DSparkDrafter, "_write_features", "    DSpark features"),
         (DSparkDrafter, "_propose_graphed", "    DSpark graphed pass"),
         (HostResult, "wait", "copy wait (device sync)"), (torch.cuda.CUDAGraph, "replay", "graph replay"),
@@ -117,11 +125,19 @@ def _run(args: argparse.Namespace, labels: list[str], prompts: list[str]) -> dic
             CALLS.clear()
             sync()
             t0 = time.perf_counter()
+            llm.generate(batch, greedy(1), use_tqdm=False)  # the prefill alone: subtracted below
+            sync()
+            prefill_wall, prefill_timers, prefill_calls = time.perf_counter() - t0, dict(TIMERS), dict(CALLS)
+            TIMERS.clear()
+            CALLS.clear()
+            sync()
+            t0 = time.perf_counter()
             outs = llm.generate(batch, greedy(args.tokens), use_tqdm=False)
             sync()
             wall = time.perf_counter() - t0
             steps = max(1, CALLS["step (all)"])
             timers, calls = dict(TIMERS), dict(CALLS)
+            decode_steps = max(1, steps - prefill_calls.get("step (all)", 0))
             prof = cProfile.Profile()  # a second run, profiled: its times are inflated
             prof.enable()
             llm.generate(batch, greedy(args.tokens), use_tqdm=False)
@@ -132,6 +148,10 @@ def _run(args: argparse.Namespace, labels: list[str], prompts: list[str]) -> dic
             res["runs"][f"{label} b{b}"] = {
                 "config": label, "batch": b, "steps": steps, "step_us": round(wall / steps * 1e6, 1),
                 "tokens_per_step": round(tokens / steps, 3),
+                # steady decode: the 1-token run's (prefill) time and calls taken out
+                "decode_steps": decode_steps, "decode_step_us": round((wall - prefill_wall) / decode_steps * 1e6, 1),
+                "decode_us_per_step": {k: round((v - prefill_timers.get(k, 0.0)) / decode_steps * 1e6, 1)
+                                       for k, v in timers.items()},
                 "us_per_step": {k: round(v / steps * 1e6, 1) for k, v in timers.items()},
                 "calls_per_step": {k: round(calls[k] / steps, 2) for k in timers},
                 "cprofile_top": top_functions(prof, args.top)}
@@ -145,11 +165,12 @@ def _run(args: argparse.Namespace, labels: list[str], prompts: list[str]) -> dic
         print("\n".join(run["cprofile_top"]))
     runs = list(res["runs"].values())
     keys = list(dict.fromkeys(k for r in runs for k in r["us_per_step"]))
-    print(f"\n{'us per engine step':30}" + "".join(f"{r['config'][:12] + ' b' + str(r['batch']):>18}" for r in runs))
-    for key in ("step_us", "tokens_per_step"):
-        print(f"{key:30}" + "".join(f"{r[key]:>18}" for r in runs))
+    print(f"\n{'us per decode step (no prefill)':32}"
+          + "".join(f"{r['config'][:12] + ' b' + str(r['batch']):>18}" for r in runs))
+    for key in ("step_us", "decode_step_us", "tokens_per_step"):
+        print(f"{key:32}" + "".join(f"{r[key]:>18}" for r in runs))
     for key in keys:
-        print(f"{key:30}" + "".join(f"{r['us_per_step'].get(key, 0):>18.0f}" for r in runs))
+        print(f"{key:32}" + "".join(f"{r['decode_us_per_step'].get(key, 0):>18.0f}" for r in runs))
     print(path)
     return res
 
