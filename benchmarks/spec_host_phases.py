@@ -77,6 +77,42 @@ def instrument() -> list[tuple[object, str, object]]:
     return originals
 
 
+STEPS: list[dict] = []  # per async loop step of the timed run: start, duration, the timers inside it
+
+
+def trace_steps() -> tuple[object, str, object]:
+    """Record each async loop step's wall time and what its timers spent (``STEPS``), so a
+    run's slow steps are named, not averaged away. Wraps the already-timed step."""
+    from deepinfer.engine.async_engine import AsyncStepLoop
+
+    fn = AsyncStepLoop.__dict__["step"]
+
+    def step(self):
+        before, t = dict(TIMERS), time.perf_counter()
+        try:
+            return fn(self)
+        finally:
+            STEPS.append({"t": t, "ms": (time.perf_counter() - t) * 1e3,
+                          "inside_ms": {k: round((v - before.get(k, 0.0)) * 1e3, 3)
+                                        for k, v in TIMERS.items() if v - before.get(k, 0.0) > 5e-5}})
+
+    AsyncStepLoop.step = step
+    return AsyncStepLoop, "step", fn
+
+
+def slow_steps(outs: list, t0: float, n: int) -> dict:
+    """The ``n`` slowest steps (index, ms, the timers inside) and where the first token and
+    the finish fell (ms from the generate call) against the step starts."""
+    slow = sorted(range(len(STEPS)), key=lambda i: -STEPS[i]["ms"])[:n]
+    first = min(o.metrics.first_token_time for o in outs)
+    return {"step_ms": [round(s["ms"], 3) for s in STEPS],
+            "first_token_ms": round((first - t0) * 1e3, 3),
+            "finished_ms": round((max(o.metrics.finished_time for o in outs) - t0) * 1e3, 3),
+            "steps_before_first_token": sum(1 for s in STEPS if s["t"] < first),
+            "slowest": [{"step": i, "ms": round(STEPS[i]["ms"], 3), "start_ms": round((STEPS[i]["t"] - t0) * 1e3, 3),
+                         "inside_ms": STEPS[i]["inside_ms"]} for i in slow]}
+
+
 def restore(originals: list[tuple[object, str, object]]) -> None:
     for owner, attr, fn in originals:
         setattr(owner, attr, fn)
@@ -106,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.dtype, args.max_model_len = "auto", 512
     prompts = doc_prompts(2 if args.tiny else 8, 400)
     originals = instrument()
+    originals.append(trace_steps())
     try:
         return _run(args, labels, prompts)
     finally:
@@ -130,6 +167,7 @@ def _run(args: argparse.Namespace, labels: list[str], prompts: list[str]) -> dic
             prefill_wall, prefill_timers, prefill_calls = time.perf_counter() - t0, dict(TIMERS), dict(CALLS)
             TIMERS.clear()
             CALLS.clear()
+            STEPS.clear()
             sync()
             t0 = time.perf_counter()
             outs = llm.generate(batch, greedy(args.tokens), use_tqdm=False)
@@ -137,6 +175,7 @@ def _run(args: argparse.Namespace, labels: list[str], prompts: list[str]) -> dic
             wall = time.perf_counter() - t0
             steps = max(1, CALLS["step (all)"])
             timers, calls = dict(TIMERS), dict(CALLS)
+            timeline = slow_steps(outs, t0, 5)
             decode_steps = max(1, steps - prefill_calls.get("step (all)", 0))
             prof = cProfile.Profile()  # a second run, profiled: its times are inflated
             prof.enable()
@@ -154,7 +193,7 @@ def _run(args: argparse.Namespace, labels: list[str], prompts: list[str]) -> dic
                                        for k, v in timers.items()},
                 "us_per_step": {k: round(v / steps * 1e6, 1) for k, v in timers.items()},
                 "calls_per_step": {k: round(calls[k] / steps, 2) for k in timers},
-                "cprofile_top": top_functions(prof, args.top)}
+                "timeline": timeline, "cprofile_top": top_functions(prof, args.top)}
         del llm
         gc.collect()
     path = os.path.join(args.out, f"spec_host_phases_{res['commit'][:7]}{'_tiny' if args.tiny else ''}.json")
@@ -163,6 +202,13 @@ def _run(args: argparse.Namespace, labels: list[str], prompts: list[str]) -> dic
     for key, run in res["runs"].items():
         print(f"\n== {key}: cProfile top by own time (profiler on: times inflated)")
         print("\n".join(run["cprofile_top"]))
+    for key, run in res["runs"].items():
+        tl = run["timeline"]
+        print(f"\n== {key}: first token at {tl['first_token_ms']} ms (after {tl['steps_before_first_token']} steps), "
+              f"finished at {tl['finished_ms']} ms; slowest steps:")
+        for s in tl["slowest"]:
+            inside = sorted(s["inside_ms"].items(), key=lambda kv: -kv[1])[:6]
+            print(f"  step {s['step']:>3} at {s['start_ms']:>8} ms: {s['ms']:>7} ms  " + ", ".join(f"{k.strip()} {v}" for k, v in inside))
     runs = list(res["runs"].values())
     keys = list(dict.fromkeys(k for r in runs for k in r["us_per_step"]))
     print(f"\n{'us per decode step (no prefill)':32}"

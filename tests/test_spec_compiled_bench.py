@@ -50,4 +50,5 @@ def test_spec_host_phases_tiny_times_verify_and_draft(tmp_path, capsys):
     assert 0 < mtp["us_per_step"]["  verify forward"] + mtp["us_per_step"]["  draft (MTP)"] <= mtp["step_us"]
     assert mtp["tokens_per_step"] >= 1.0 and len(mtp["cprofile_top"]) == 5
     assert len(list(tmp_path.glob("spec_host_phases_mtp-k1_b1.pstats"))) == 1
+    assert mtp["timeline"]["slowest"] and len(mtp["timeline"]["step_ms"]) == mtp["steps"]
     assert "verify forward" in capsys.readouterr().out
