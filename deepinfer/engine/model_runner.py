@@ -97,7 +97,10 @@ class ModelRunner:
         (their compressors pool a closing window from the ring after the step's writes)."""
         return all(r.num_tokens == 1 for r in so.scheduled)
 
-    def build_batch(self, so: SchedulerOutput) -> ForwardBatch:
+    def build_batch(self, so: SchedulerOutput, deferred: bool = False) -> ForwardBatch:
+        """The step's batch. ``deferred``: its device ids and positions are made only when a
+        path asks (`ForwardBatch.materialize`): a verify graph that gathers its placeholders
+        itself reads the host lists (spec/mtp_verify_tail.py), with no copy or gather here."""
         ids: list[int] = []
         positions: list[int] = []
         seqs: list[SeqMeta] = []
@@ -108,9 +111,17 @@ class ModelRunner:
             positions.extend(range(req.start_pos, req.start_pos + req.num_tokens))
         # one host -> device copy: ids, positions and (async) the placeholder rows / slots
         rows, slots = self.token_buffer.placeholder_index(so) if self.token_buffer is not None else ([], [])
+        batch = ForwardBatch(None, None, seqs, self.replay, host_ids=ids, placeholders=(rows, slots))
+        if deferred:  # (the graph's gather reads no debug sentinel: `materialize` paths keep them)
+            batch._materialize = lambda b: self._to_device(so, b, ids, positions, rows, slots)
+            return batch
+        return self._to_device(so, batch, ids, positions, rows, slots)
+
+    def _to_device(self, so: SchedulerOutput, batch: ForwardBatch, ids: list[int], positions: list[int],
+                   rows: list[int], slots: list[int]) -> ForwardBatch:
         t, p = len(ids), len(rows)
         flat = to_device(ids + positions + rows + slots, torch.long, self.device)
-        batch = ForwardBatch(flat[:t], flat[t:2 * t], seqs, self.replay)
+        batch.input_ids, batch.positions = flat[:t], flat[t:2 * t]
         if self.token_buffer is not None:
             self.token_buffer.fill(so, batch, (flat[2 * t:2 * t + p], flat[2 * t + p:]))
         return batch

@@ -120,25 +120,30 @@ class ResultCopier:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._ring = PinnedRing()
 
-    def start(self, tensors: Sequence[torch.Tensor]) -> HostResult:
+    def start(self, tensors: Sequence[torch.Tensor], in_order: bool = False) -> HostResult:
         """Start copying ``tensors`` (produced on the current stream) to the host: one
-        pinned block per call, each tensor at an aligned offset inside it."""
+        pinned block per call, each tensor at an aligned offset inside it. ``in_order``:
+        copy on the current stream itself, so work enqueued after this call (a graph replay
+        that rewrites its outputs) runs after the copy: the tensors need no clone first."""
         if self.stream is None:
             return HostResult([t if t.device.type == "cpu" else t.cpu() for t in tensors])
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream = torch.cuda.current_stream(self.device) if in_order else self.stream
+        if not in_order:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         offsets, total = [], 0
         for t in tensors:
             offsets.append(total)
             total += -(-t.numel() * t.element_size() // 16) * 16
         slot, block = self._ring.stage(total)
         host = []
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(stream):
             for t, off in zip(tensors, offsets):
                 h = block[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                 h.copy_(t, non_blocking=True)
-                t.record_stream(self.stream)  # the allocator must not reuse t before this copy ran
+                if not in_order:
+                    t.record_stream(stream)  # the allocator must not reuse t before this copy ran
                 host.append(h)
             event = torch.cuda.Event()
-            event.record(self.stream)
+            event.record(stream)
         self._ring.copied(slot, event)
         return HostResult(host, event)

@@ -40,10 +40,32 @@ class ForwardBatch:
     #: position its SeqMeta says (a speculative step planned before the previous one's
     #: accepted counts landed, engine/token_buffer.py); None when the host positions are exact
     position_shift: object | None = None
+    #: a batch built with its device tensors deferred (``ModelRunner.build_batch(so,
+    #: deferred=True)``): the host ids (placeholders -1) and placeholder (rows, flat buffer
+    #: indices) a graph that gathers on the device reads; ``materialize`` makes the tensors
+    host_ids: list[int] | None = None
+    placeholders: tuple[list[int], list[int]] | None = None
+    _materialize: object | None = None
 
     @property
     def num_tokens(self) -> int:
+        if self.input_ids is None:
+            return sum(s.length for s in self.seqs)
         return int(self.input_ids.shape[0])
+
+    @property
+    def planned_ahead(self) -> bool:
+        """Its ids include placeholders fed with shifted positions (a speculative step
+        planned before the previous one landed)."""
+        return self.position_shift is not None or bool(self.placeholders and self.placeholders[0]
+                                                       and self.input_ids is None)
+
+    def materialize(self) -> ForwardBatch:
+        """Make the deferred device ids / positions (gathering placeholders); a no-op otherwise."""
+        make, self._materialize = self._materialize, None
+        if make is not None:
+            make(self)
+        return self
 
 
 def check_block_size(cfg, block_size: int) -> None:

@@ -177,20 +177,17 @@ class MTPDrafter(Drafter):
         shift = batch.position_shift  # a step planned ahead: its rows' true positions are shifted
         b = len(so.scheduled)
         if lane.tail is not None:  # the catch-up and its pick ran inside the verify graph
-            first, first_streams, accepted = (t[:b] for t in lane.tail)
+            first, first_streams, _, later = (t[:b] for t in lane.tail)
             if self.k == 1:
                 self.graphs.stats["after_verify_passes"] += 1
-                return first.unsqueeze(1).clone()  # the next replay rewrites the graph's outputs
-            starts = None
+                return first.unsqueeze(1)  # (read before the next replay: the lane's copy is on its stream)
         else:
             out = self.graphs.run(rows, lane.row_argmax(batch.num_tokens), streams, shift=shift)
             if out is None:
                 return None
             starts, accepted = lane.accepted([s.offset for s in batch.seqs], [r.num_draft_tokens for r in so.scheduled])
             first, first_streams = out[1][starts + accepted], out[0][starts + accepted]
-        if shift is not None and starts is None:
-            starts, _ = lane.accepted([s.offset for s in batch.seqs], [r.num_draft_tokens for r in so.scheduled])
-        later = accepted if shift is None else accepted + shift[starts]
+            later = accepted if shift is None else accepted + shift[starts]
         picked = self._later_passes([(p, t, s) for p, _, t, s in rows], first_streams, first, self.k, shift=later)
         if picked is None:
             return None  # (no shape: the host path redrafts; its KV writes are the same)
@@ -201,6 +198,14 @@ class MTPDrafter(Drafter):
         """The catch-up rows (first position, rows, block table, state slot) per request of
         :meth:`draft_after_verify`, or None when it cannot draft behind ``so``'s verify graph
         (positions are the plan's: a step planned ahead has its true ones at or below them)."""
+        memo = getattr(self, "_rows_memo", None)  # the planner asks first, then the step itself
+        if memo is not None and memo[0] is so and memo[1] == len(so.scheduled):
+            return memo[2]
+        rows = self._find_after_verify_rows(so)
+        self._rows_memo = (so, len(so.scheduled), rows)
+        return rows
+
+    def _find_after_verify_rows(self, so) -> list[tuple[int, int, dict, int]] | None:
         k, B = self.k, self.cache.block_size
         if self.graphs is None or not so.scheduled:
             return None

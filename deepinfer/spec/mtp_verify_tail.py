@@ -26,8 +26,10 @@ __all__ = ["MTPVerifyTail"]
 
 
 class MTPVerifyTail:
-    """``tail(meta, streams, packed, greedy, n_groups)`` -> per group (first draft packed
-    [R, 2] (token, log-prob bits), its output streams [R, N, D], accepted drafts [R])."""
+    """``feed(meta, src)`` -> the step's meta with its placeholder ids and shifted positions,
+    and the rows' shifts; ``tail(meta, streams, packed, greedy, n_groups, row_shift)`` -> per
+    group (first draft packed [R, 2] (token, log-prob bits), its output streams [R, N, D],
+    accepted drafts [R], accepted + the group's shift [R]: where its later passes start)."""
 
     def __init__(self, stage: MTPStageGraphs, last: torch.Tensor, shift: torch.Tensor) -> None:
         if last.shape[0] != shift.shape[0] or last.shape[1] < 2:
@@ -36,8 +38,20 @@ class MTPVerifyTail:
         self.stage, self.last, self.shift = stage, last, shift
         self.spare = last.shape[0] - 1  # padded groups record here
 
+    def feed(self, meta: Any, src: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """Rows with ``src >= 0`` (a plan made ahead: `DeviceTokenBuffer.placeholder_index`)
+        read their id from the token buffer and add their slot's shift to their position,
+        before the verify forward and before the tail below records this step's results."""
+        given = src >= 0
+        at = src.clamp(min=0).long()
+        ids = torch.where(given, self.last.view(-1)[at], meta.ids.long()).to(meta.ids.dtype)
+        row_shift = torch.where(given, self.shift[at // self.last.shape[1]], 0)
+        return dataclasses.replace(meta, ids=ids, positions=meta.positions + row_shift.to(meta.positions.dtype)), \
+            row_shift
+
     def __call__(self, meta: Any, streams: torch.Tensor, packed: torch.Tensor, greedy: torch.Tensor,
-                 n_groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 n_groups: torch.Tensor, row_shift: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         r = packed.shape[0]
         argmax = packed[:, 0]
         stage_streams, stage_packed = self.stage._body((dataclasses.replace(meta, ids=argmax.to(meta.ids.dtype)),
@@ -53,4 +67,4 @@ class MTPVerifyTail:
         self.last[dest, 0] = argmax[at]
         self.last[dest, 1] = draft[:, 0]
         self.shift[dest] = accepted - num_drafts
-        return draft, stage_streams[at], accepted
+        return draft, stage_streams[at], accepted, accepted + row_shift[starts.clamp(max=r - 1)]

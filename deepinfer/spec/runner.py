@@ -129,6 +129,7 @@ class SpecDecoder:
                 return (streams, hidden, lambda rows: model.compute_logits(streams[rows])), lane
         # the family's prefill executor (V4.1's includes bounded replay); without one, or one
         # without speculative steps, the reference path below runs the step
+        batch.materialize()
         spec_forward = getattr(runner.fast_prefill, "spec_forward", None)
         out = spec_forward(batch, layers, invariant) if spec_forward is not None else None
         if out is not None:
@@ -141,8 +142,11 @@ class SpecDecoder:
         """Record the verification and the next drafts in the device token buffer (what a
         step planned ahead reads) and start their copy to the host; nothing waits."""
         offsets = [s.offset for s in batch.seqs]
-        greedy = lane.greedy.clone()  # the next replay of this graph rewrites its outputs
+        greedy = lane.greedy
         buffer = runner.token_buffer
+        if batch.input_ids is None:  # the graph gathered the placeholders itself
+            buffer.filled = so
+            buffer.num_gathered += len(batch.placeholders[0]) if batch.placeholders else 0
         if self.drafter.plans_ahead and lane.tail is not None:  # the graph recorded bonus, draft 1, shift
             buffer.recorded = so
             if early.shape[1] > 1:
@@ -154,8 +158,8 @@ class SpecDecoder:
             meta = to_device([r.state_slot for r in so.scheduled] + nd, torch.long, dev).view(2, -1)
             bonus = lane.row_argmax(batch.num_tokens)[starts + accepted]
             buffer.record_verify(so, meta[0], bonus, self.drafter.device_draft_tokens(early), accepted - meta[1])
-        with phase(SAMPLE):
-            result = runner.copier.start([greedy, early])
+        with phase(SAMPLE):  # on the compute stream: the next replay rewrites the graph's outputs after it
+            result = runner.copier.start([greedy, early], in_order=True)
         return LaneInFlight(so, picks, nd, offsets, lane.rows, result, self.drafter.plans_ahead)
 
     def collect(self, step: ModelRunnerOutput | LaneInFlight) -> ModelRunnerOutput:
@@ -259,8 +263,9 @@ class SpecDecoder:
         sampled: list[list[int]] = [[] for _ in so.scheduled]
         if not so.scheduled:
             return ModelRunnerOutput(req_ids, sampled)
-        with phase(PREPARE_INPUTS):
-            batch = runner.build_batch(so)
+        with phase(PREPARE_INPUTS):  # a verify graph with a tail gathers placeholders itself
+            verify = self._verify
+            batch = runner.build_batch(so, deferred=verify is not None and verify.tail is not None)
         # the verify graphs' greedy lane: acceptance inside the graph, one copy to the host
         lane_ok = grammar is None and self.rule == "standard" and all(
             r.needs_sample and r.num_tokens == r.num_draft_tokens + 1 and r.sampling_params.is_greedy
@@ -274,17 +279,18 @@ class SpecDecoder:
         tops: list = [[] for _ in so.scheduled]
         any_top = any(so.scheduled[i].sampling_params.top_logprobs for i in picks)
         drafted = None  # drafts launched behind the verify graph (Drafter.draft_after_verify)
-        if batch.position_shift is not None and lane is None:
+        if batch.planned_ahead and lane is None:
             raise RuntimeError("a speculative step planned ahead left the verify graphs' greedy lane")
         if lane is not None:
             for r in so.scheduled:
                 self.probs.pop(r.req_id, None)
             nd = [r.num_draft_tokens for r in so.scheduled]
             early = self.drafter.draft_after_verify(so, batch, streams, hidden, lane)
-            if early is None and batch.position_shift is not None:
+            if early is None and batch.planned_ahead:
                 raise RuntimeError("a speculative step planned ahead did not draft behind its verify graph")
             if early is not None and runner.token_buffer is not None and not self.varlen:
                 return self._launch_lane(runner, so, batch, lane, early, nd, picks)
+            batch.materialize()  # the host paths below read the batch's device ids
             with phase(SAMPLE):
                 host = runner.copier.start([lane.greedy] + ([early] if early is not None else [])).wait()
                 res = greedy_verify_result(host[0], [s.offset for s in batch.seqs], nd, lane.rows)

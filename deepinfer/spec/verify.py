@@ -291,7 +291,7 @@ def greedy_verify_result(host: torch.Tensor, offsets: list[int], num_drafts: lis
     for the requests whose groups start at ``offsets`` with ``num_drafts`` drafts each
     (``rows``: the step's padded row count R)."""
     toks, lps = unpack_greedy(host[:2 * rows].view(rows, 2))
-    first = host[2 * rows:].tolist()
+    first = host[2 * rows:].numpy().tolist()
     out = VerifyResult([], [], [], [])
     for g, (start, k) in enumerate(zip(offsets, num_drafts)):
         a = min(first[g] - start, k)

@@ -153,7 +153,8 @@ class VerifyGraphs:
         self.counts = {"steps": 0, "graph_steps": 0, "eager_steps": 0, "greedy_steps": 0, "tail_steps": 0}
         self.greedy_max_rows = greedy_lane_max_rows(fast.model.cfg.vocab_size)
         #: work captured at the end of the greedy lane's graphs, set before the warm-up:
-        #: ``tail(meta, streams, packed, greedy, n_groups)`` -> tensors (the MTP stage's
+        #: ``tail.feed(meta, src)`` -> (meta, row shifts) first, then
+        #: ``tail(meta, streams, packed, greedy, n_groups, row_shifts)`` -> tensors (the MTP stage's
         #: catch-up, spec/mtp_verify_tail.py); its graphs read the step's request count
         self.tail: Callable[..., tuple] | None = None
         self._tail_inputs: dict[tuple[int, int], tuple[StepInputs, torch.Tensor]] = {}
@@ -172,9 +173,13 @@ class VerifyGraphs:
         return self.fast.program.verify is not None
 
     def _body_greedy(self, arg: Any) -> tuple:
-        """The lane's graph: ``arg`` a step's meta, or (meta, n_groups) with a ``tail``."""
+        """The lane's graph: ``arg`` a step's meta, or (meta, n_groups, src) with a ``tail``
+        (which first gathers the rows' placeholder ids and position shifts: ``tail.feed``)."""
         fast = self.fast
-        meta, n_groups = arg if isinstance(arg, tuple) else (arg, None)
+        meta, n_groups, src = arg if isinstance(arg, tuple) else (arg, None, None)
+        row_shift = None
+        if n_groups is not None:
+            meta, row_shift = self.tail.feed(meta, src)
         capture = dict.fromkeys(self.layers) if self.layers else None
         streams, logits = fast.program.verify(fast.model, fast.batch_of(meta), fast.cache, capture)
         packed = torch.empty(logits.shape[0], 2, dtype=torch.int64, device=logits.device)
@@ -182,20 +187,22 @@ class VerifyGraphs:
         greedy = greedy_verify_packed(meta.ids, packed, meta.starts)
         if n_groups is None:
             return streams, capture or {}, greedy
-        return streams, capture or {}, greedy, self.tail(meta, streams, packed, greedy, n_groups)
+        return streams, capture or {}, greedy, self.tail(meta, streams, packed, greedy, n_groups, row_shift)
 
-    def _lane_inputs(self, rows: int, width: int) -> tuple[StepInputs, torch.Tensor]:
-        """A tailed lane graph's persistent inputs: the step's, then its request count."""
+    def _lane_inputs(self, rows: int, width: int) -> tuple[StepInputs, torch.Tensor, torch.Tensor]:
+        """A tailed lane graph's persistent inputs: the step's, then per row the flat token
+        buffer index its id comes from (-1: the id is given), then the request count."""
         buf = self._tail_inputs.get((rows, width))
         if buf is None:
             fast = self.fast
             head = 4 * rows + 1
-            flat = torch.zeros(head + len(fast.groups) * width * rows + 1, dtype=torch.int32, device=fast.device)
+            body = head + len(fast.groups) * width * rows
+            flat = torch.zeros(body + rows + 1, dtype=torch.int32, device=fast.device)
             tables = {g: flat[head + i * width * rows:head + (i + 1) * width * rows].view(rows, width)
                       for i, g in enumerate(fast.groups)}
             inputs = StepInputs(flat, flat[:rows], flat[rows:2 * rows], flat[2 * rows:3 * rows], flat[3 * rows:head],
                                 tables)
-            buf = self._tail_inputs[(rows, width)] = (inputs, flat[-1:])
+            buf = self._tail_inputs[(rows, width)] = (inputs, flat[-1:], flat[body:body + rows])
         return buf
 
     def warmup(self, shapes: list[tuple[int, int]]) -> int:
@@ -224,9 +231,10 @@ class VerifyGraphs:
     def _dummy_lane_arg(self, rows: int, width: int) -> Any:
         if self.tail is None:
             return self.fast._dummy_meta(rows, width)
-        inputs, n_groups = self._lane_inputs(rows, width)
+        inputs, n_groups, src = self._lane_inputs(rows, width)
         inputs.fill_dummy()  # no request: the tail records into the spare row only
-        return self.fast._meta(inputs, width, True, rows), n_groups
+        src.fill_(-1)
+        return self.fast._meta(inputs, width, True, rows), n_groups, src
 
     def _shape(self, so: Any, n: int, width: int) -> tuple[int, bool]:
         """(padded rows, graphed) of a decode-like step of ``n`` rows."""
@@ -265,20 +273,36 @@ class VerifyGraphs:
         n, width = batch.num_tokens, fast._width(so)
         rows, graphed = self._shape(so, n, width)
         lane = greedy and graphed and fast.graphs.has(self._key(rows, width, greedy=True))
+        # a tail gathers the placeholder ids and position shifts in the graph (`tail.feed`):
+        # the host ids and buffer indices go in the step's one copy below
+        tailed = lane and self.tail is not None
+        host_fed = tailed and batch.host_ids is not None  # (else a batch made by hand: device ids, no shift)
+        if not host_fed:
+            batch.materialize()
         host = fast._host_inputs(so, width, rows)
-        if lane and self.tail is not None:
-            inputs, n_groups = self._lane_inputs(rows, width)
-            host = np.append(host, np.int32(len(so.scheduled)))
+        if tailed:
+            inputs, n_groups, _ = self._lane_inputs(rows, width)
+            src = np.full(rows, -1, dtype=np.int32)
+            if host_fed:
+                host[:n] = batch.host_ids
+                ph_rows, ph_index = batch.placeholders or ([], [])
+                host[ph_rows] = 0
+                src[ph_rows] = ph_index
+                host[n:rows], src[n:] = host[0], src[0]  # padded rows repeat row 0
+            elif batch.position_shift is not None:
+                raise ValueError("VerifyGraphs.run: a shifted batch without host ids cannot take the tailed lane")
+            host = np.concatenate([host, src, np.array([len(so.scheduled)], dtype=np.int32)])
         else:
             inputs = (fast._graph_inputs(rows, width) if graphed
                       else StepInputs.allocate(rows, width, fast.groups, fast.device))
         copy_to_device(inputs.flat, host)
-        if batch.position_shift is not None:  # a step planned ahead: the true positions (padding repeats row 0)
+        if batch.position_shift is not None and not host_fed:  # planned ahead: true positions (padding repeats row 0)
             inputs.positions[:n] += batch.position_shift.to(inputs.positions.dtype)
             inputs.positions[n:] = inputs.positions[:1]
-        inputs.ids[:n].copy_(batch.input_ids)
-        if rows > n:
-            inputs.ids[n:].copy_(inputs.ids[:1].expand(rows - n))
+        if not host_fed:
+            inputs.ids[:n].copy_(batch.input_ids)
+            if rows > n:
+                inputs.ids[n:].copy_(inputs.ids[:1].expand(rows - n))
         meta = fast._meta(inputs, width, graphed, n)
         self.counts["steps"] += 1
         fast._counts["fast_steps"] += 1  # the fast path's step counts include its verify steps
@@ -293,7 +317,8 @@ class VerifyGraphs:
             else:
                 self.counts["tail_steps"] += 1
                 streams, hidden, result, tail = fast.graphs.replay(self._key(rows, width, greedy=True),
-                                                                   (meta, n_groups), self._body_greedy)
+                                                                   (meta, n_groups, self._lane_inputs(rows, width)[2]),
+                                                                   self._body_greedy)
         elif graphed:
             self.counts["graph_steps"] += 1
             fast._counts["graph_steps"] += 1
