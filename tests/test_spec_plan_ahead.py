@@ -23,13 +23,13 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 3, "Once upon a tim
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def _llm(monkeypatch, k: int, async_scheduling: bool = True, **kw) -> LLM:
+def _llm(monkeypatch, k: int, async_scheduling: bool = True, model: str | None = None, **kw) -> LLM:
     monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
     monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
     monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_WARMUP", "1")  # the start-up capture, emulated on the host
     kw.setdefault("max_model_len", 256)
     kw.setdefault("max_num_seqs", 4)
-    llm = LLM(trained_model_dir(), dtype="float32", num_speculative_tokens=k, max_num_batched_tokens=64,
+    llm = LLM(model or trained_model_dir(), dtype="float32", num_speculative_tokens=k, max_num_batched_tokens=64,
               async_scheduling=async_scheduling, **kw)
     if llm.async_loop is not None:
         llm.async_loop.tokens.debug = True  # a wrong or double gather fails loudly
@@ -138,6 +138,42 @@ def test_planned_ahead_drafts_equal_the_synchronous_loops(monkeypatch):
     output length."""
     got = _drafts_by_output_length(monkeypatch, _llm(monkeypatch, 3))
     want = _drafts_by_output_length(monkeypatch, _llm(monkeypatch, 3, async_scheduling=False))
+    common = sorted(set(got) & set(want))
+    assert len(common) >= 30
+    for key in common:
+        assert got[key][0] == want[key][0], key
+        assert got[key][1] == pytest.approx(want[key][1], rel=1e-4, abs=1e-6), key
+
+
+DSPARK = "deepinfer-tiny-dspark"
+
+
+def test_dspark_planned_ahead_steps_give_the_tokens_of_no_speculation(monkeypatch):
+    """DSpark k = 5 (the trained drafter): its feature writes and block pass behind the verify
+    graph read positions and pool rows shifted on the device, for prompts that also cross
+    a window block boundary while generating: the tokens of no speculation."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(8192) for _ in range(n)] for n in (12, 40, 250, 372)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    mp = pytest.MonkeyPatch()
+    try:
+        want = _tokens(_llm(mp, 0, async_scheduling=False, model=DSPARK, max_model_len=512), prompts, params)
+    finally:
+        mp.undo()
+    llm = _llm(monkeypatch, 5, model=DSPARK, max_model_len=512, max_num_seqs=8)
+    assert _tokens(llm, prompts, params) == want
+    planner = llm.async_loop.planner
+    assert planner.stats["planned_ahead"] >= 15 and planner.stats["resolved"] == 0
+    assert llm.runner.spec.drafter.graphs.stats["after_verify_steps"] >= planner.stats["planned_ahead"]
+    assert sum(llm.runner.spec.metrics.accepted) > 0
+    llm.kv_manager.assert_consistent()
+
+
+def test_dspark_planned_ahead_drafts_equal_the_synchronous_loops(monkeypatch):
+    """The DSpark blocks drafted at shifted positions equal, with their confidences, the
+    synchronous loop's at the same output length."""
+    got = _drafts_by_output_length(monkeypatch, _llm(monkeypatch, 5, model=DSPARK))
+    want = _drafts_by_output_length(monkeypatch, _llm(monkeypatch, 5, async_scheduling=False, model=DSPARK))
     common = sorted(set(got) & set(want))
     assert len(common) >= 30
     for key in common:

@@ -72,6 +72,11 @@ class Drafter:
         for planning the step after ``so`` before ``so`` lands (`spec/plan_ahead.py`)."""
         return False
 
+    def verify_tail(self, last: torch.Tensor, shift: torch.Tensor) -> Any:
+        """Work captured at the end of the verify graphs' greedy lane, recording into the
+        token buffer's storage (``last``, ``shift``): `VerifyGraphs.tail`; None: none."""
+        return None
+
     def device_draft_tokens(self, drafts: torch.Tensor) -> torch.Tensor:
         """[requests, k] draft token ids of `draft_after_verify`'s tensor, on the device."""
         raise NotImplementedError

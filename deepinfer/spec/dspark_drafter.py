@@ -60,6 +60,7 @@ def _float_bits(x: float) -> int:
 
 class DSparkDrafter(Drafter):
     lookahead = 0  # the block's own K/V stay in the pass; nothing beyond verified tokens is written
+    plans_ahead = True  # (when graphed: `can_draft_after_verify`)
     #: the captured draft steps (`prepare_graphs`), None = the eager drafter
     graphs: DraftGraphs | None = None
     feature_graphs: FeatureGraphs | None = None
@@ -267,33 +268,52 @@ class DSparkDrafter(Drafter):
             return None
         W, per_block = self.cfg.sliding_window, self._rows_per_block()
         most = max(r.num_draft_tokens for r in so.scheduled)
-        ext = np.empty((len(so.scheduled), N_COLS + W - 1 + most), dtype=np.int64)
-        positions, slots = [], []
+        # a step planned ahead sits up to `lower` positions below its plan (shift [T] on the
+        # device): the host lays out pool rows from that far down and the device picks
+        shift = batch.position_shift
+        lower = self.k if shift is not None else 0
+        b, t = len(so.scheduled), batch.num_tokens
+        ext = np.empty((b, N_COLS + W - 1 + most + lower), dtype=np.int64)
+        feat = np.empty((t, 2 + lower), dtype=np.int64)  # per row: its plan's position, pool rows from `lower` below
         for g, (r, seq, cut) in enumerate(zip(so.scheduled, batch.seqs, batch_cuts(batch))):
             if cut > seq.start or not r.sampling_params.is_greedy:
                 return None
             table = seq.block_table[GROUP_SWA]
-            positions.append(seq.start + np.arange(seq.length))
-            slots.append(paged_slots(table, seq.start, seq.length, per_block))
-            ctx = seq.start + (2 - W) + np.arange(W - 1 + most)  # the window of accepted count 0, then further
+            pos = seq.start - lower + np.arange(seq.length + lower)
+            rows = paged_slots(table, int(pos[0]), seq.length + lower, per_block, valid=pos >= 0)
+            feat[seq.offset:seq.offset + seq.length, 0] = pos[lower:]
+            feat[seq.offset:seq.offset + seq.length, 1:] = np.lib.stride_tricks.sliding_window_view(
+                rows, lower + 1)[:seq.length]
+            ctx = seq.start - lower + (2 - W) + np.arange(W - 1 + most + lower)  # accepted 0 (shift -lower) on
             valid = (ctx >= 0) & (ctx < seq.start + seq.length)
-            ext[g, N_COLS:] = paged_slots(table, int(ctx[0]), W - 1 + most, per_block, valid=valid)
+            ext[g, N_COLS:] = paged_slots(table, int(ctx[0]), W - 1 + most + lower, per_block, valid=valid)
             ext[g, :N_COLS] = (0, seq.start, rng.seed_to_int64(r.sampling_params.seq_seed), 1, _float_bits(1.0))
         dev = streams.device
-        self.feature_graphs.run(self._target_features(hidden, torch.arange(batch.num_tokens, device=dev)),
-                                np.concatenate(positions), np.concatenate(slots))
+        host = torch.empty(ext.size + feat.size, dtype=torch.int64, device=dev)
+        copy_to_device(host, np.concatenate([ext.ravel(), feat.ravel()]))  # staged: never waits for the stream
+        ext_t, feat_t = host[:ext.size].view(ext.shape), host[ext.size:].view(feat.shape)
         starts, accepted = lane.accepted([s.offset for s in batch.seqs], [r.num_draft_tokens for r in so.scheduled])
-        ext_t = torch.empty(ext.shape, dtype=torch.int64, device=dev)
-        copy_to_device(ext_t, ext)  # staged: a pageable copy would wait for the verify graph
+        row_shift = shift if shift is not None else torch.zeros(t, dtype=torch.long, device=dev)
+        ints = torch.stack([feat_t[:, 0] + row_shift, feat_t[:, 1:].gather(1, (row_shift + lower)[:, None])[:, 0]])
+        self.feature_graphs.run_device(self._target_features(hidden, torch.arange(t, device=dev)), ints)
+        group_shift = row_shift[starts]
         inp = torch.cat([ext_t[:, :N_COLS], ext_t[:, N_COLS:].gather(
-            1, accepted[:, None] + torch.arange(W - 1, device=dev))], dim=1)
-        inp[:, 0] = lane.row_argmax(batch.num_tokens)[starts + accepted]
-        inp[:, 1] += accepted
+            1, (accepted + group_shift + lower)[:, None] + torch.arange(W - 1, device=dev))], dim=1)
+        inp[:, 0] = lane.row_argmax(t)[starts + accepted]
+        inp[:, 1] += accepted + group_shift
         out = self.graphs.run_device(inp, True)
         if out is None:
             return None
         self.graphs.stats["after_verify_steps"] += 1
         return out[0]
+
+    def can_draft_after_verify(self, so) -> bool:
+        return (self.graphs is not None and self.feature_graphs is not None and min(self.k, self.gamma) == self._n_graph
+                and bool(so.scheduled) and self.graphs.has_rows(len(so.scheduled))
+                and all(r.sampling_params.is_greedy for r in so.scheduled))
+
+    def device_draft_tokens(self, drafts: torch.Tensor) -> torch.Tensor:
+        return drafts[:, :self._n_graph]
 
     def drafts_from_host(self, so, host: torch.Tensor) -> dict[str, Draft]:
         toks, confs = unpack_block(host.tolist(), self._n_graph)

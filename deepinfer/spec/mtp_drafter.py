@@ -14,6 +14,7 @@ Draft tokens are drawn with the request's sampling settings from the DRAFT strea
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -225,6 +226,12 @@ class MTPDrafter(Drafter):
 
     def can_draft_after_verify(self, so) -> bool:
         return self._after_verify_rows(so) is not None
+
+    def verify_tail(self, last: torch.Tensor, shift: torch.Tensor) -> Any:
+        if self.graphs is None:
+            return None
+        from .mtp_verify_tail import MTPVerifyTail  # (it imports mtp_graphs, as this module does)
+        return MTPVerifyTail(self.graphs, last, shift)
 
     def device_draft_tokens(self, drafts: torch.Tensor) -> torch.Tensor:
         return drafts[:, :, 0]

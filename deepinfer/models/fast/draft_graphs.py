@@ -103,6 +103,11 @@ class DraftGraphs:
             inp[r:].copy_(rows[:1].expand(b - r, -1))
         return self._replay(b, r, greedy_only)
 
+    def has_rows(self, r: int) -> bool:
+        """Whether :meth:`run_device` replays a captured graph for ``r`` requests."""
+        b = rows_bucket(r)
+        return r >= 1 and b is not None and b in self._inputs
+
     def _replay(self, b: int, r: int, greedy_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         mode = "greedy" if greedy_only else "sample"
         packed, q = self.graphs.replay((b, mode), self._inputs[b], self._fn(greedy_only))
@@ -156,6 +161,22 @@ class FeatureGraphs:
         full = np.empty((2, n), dtype=np.int64)
         full[:, :t], full[:, t:] = ints, ints[:, :1]
         copy_to_device(self._ints[n], full)
+        self._replay(x, n)
+
+    def run_device(self, x: torch.Tensor, ints: torch.Tensor) -> None:
+        """:meth:`run` with (positions, pool rows) [2, T] already on the device."""
+        t = x.shape[0]
+        n = next((m for m in self.sizes if m >= t), None)
+        if n is None:
+            self.stats["eager_steps"] += 1
+            self.body(x, ints)
+            return
+        self._ints[n][:, :t].copy_(ints)
+        self._ints[n][:, t:].copy_(ints[:, :1].expand(2, n - t))
+        self._replay(x, n)
+
+    def _replay(self, x: torch.Tensor, n: int) -> None:
+        t = x.shape[0]
         buf = self._x[n]
         buf[:t].copy_(x)
         buf[t:].copy_(x[:1].expand(n - t, -1))
