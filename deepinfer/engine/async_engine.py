@@ -26,14 +26,15 @@ Compositions:
   only N+1's sampling waits for N (collect, update, matcher advance, host bitmask fill),
   counted in ``stats.grammar_waits``. Matchers only ever see real tokens: they read
   ``output_token_ids`` after ``update``.
-* Speculative decoding: N+1's drafts come from N's verification, so every step first
-  lands the step in flight (counted in ``stats.speculative_syncs``; it adds no wait of its
-  own: the spec step already waited for its one pinned device -> host copy of the accepted
-  counts and tokens, deepinfer/spec/runner.py, and the drafter for its drafts). What does
-  not overlap yet: the host's update, attach and plan of N+1 run after N's drafts reached
-  it, while the device idles (drafting N+1 from N's outputs on the device would remove
-  that). The
-  confidence-scheduled budget comes from the previous plan's confidences, split with the
+* Speculative decoding: N+1's drafts come from N's verification. A greedy-lane step
+  that drafted behind its verify graph (MTP, graphed DSpark: `Drafter.draft_after_verify`)
+  records its bonus token, next drafts and accepted count per state slot on the device,
+  so N+1 is planned with ``1 + k`` placeholders at optimistic positions and launched
+  before N lands; the device gathers its ids and shifts its positions
+  (deepinfer/spec/plan_ahead.py). Any other step first lands the step in flight
+  (``stats.speculative_syncs``): sampled or constrained requests, confidence-scheduled
+  verification (its budget needs the host's confidences), a queue of waiting requests.
+  The confidence-scheduled budget comes from the previous plan's confidences, split with the
   newest (``SpecDecoder.attach``), in both loops: the rule DeepInfer's async scheduler
   uses (REFERENCE.md sections 3 and 8), and the one that keeps verification lossless.
 * The GPU fast path reads decode input ids from the device batch (already gathered), so

@@ -18,18 +18,18 @@ import torch
 from deepinfer import batch_invariant
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.request import PLACEHOLDER_TOKEN_ID
-from deepinfer.engine.sampler import SamplingTensors
 from deepinfer.engine.transfer import HostResult, to_device
 from deepinfer.models.bounded_replay import replay_free
 from deepinfer.models.fast.decode_graphs import BUCKETS
 from deepinfer.models.fast.verify_graphs import SpecForward, VerifyGraphs, VerifyStep, verify_row_buckets, verify_shapes
-from deepinfer.profiling.markers import LOGITS, MODEL, PREPARE_INPUTS, SAMPLE, phase
+from deepinfer.profiling.markers import MODEL, PREPARE_INPUTS, SAMPLE, phase
 
 from .drafter import Draft, DraftContext, Drafter
+from .host_verify import StepTokens, verify_on_host
 from .metrics import SpecMetrics
 from .scheduling import StepTimeCurve, split_budget
 from .step_curve import OnlineStepTimeCurve
-from .verify import drafts_to_verify, greedy_verify_result, rejection_sample_device
+from .verify import drafts_to_verify, greedy_verify_result
 
 
 def forward_capture(model, batch, cache, layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -302,70 +302,9 @@ class SpecDecoder:
                 logprobs[i] = res.logprobs[i]
                 valid[i] += res.num_accepted[i]
             picks = []  # verified above (no top log-probs: the lane's condition)
-        if picks:
-            rows, params, positions, draft_ids, nd, qs = [], [], [], [], [], []
-            layout = []  # (req_id, drafts) per sampled request, in row order (grammar masks)
-            for i in picks:
-                r, seq = so.scheduled[i], batch.seqs[i]
-                k, n_real = r.num_draft_tokens, valid[i]
-                first = seq.offset + n_real - 1
-                layout.append((r.req_id, list(r.token_ids[n_real:])))
-                rows += range(first, first + k + 1)
-                params += [r.sampling_params] * (k + 1)
-                positions += [r.start_pos + n_real + j for j in range(k + 1)]
-                draft_ids += list(r.token_ids[n_real:]) + [-1]
-                nd.append(k)
-                q = self.probs.pop(r.req_id, None)
-                qs.append(q[:k] if q is not None and k and q.shape[0] >= k and not r.sampling_params.is_greedy
-                          else None)
-            for i in range(len(so.scheduled)):
-                if i not in picks:
-                    self.probs.pop(so.scheduled[i].req_id, None)
-            dev = runner.device
-            with phase(LOGITS):
-                logits = logits_of(to_device(rows, torch.long, dev))
-            if grammar is not None:  # row j of a request: its grammar after drafts[:j]
-                grammar.apply_verify(logits, layout)
-            st = SamplingTensors.from_params(params, positions, dev)
-            draft_t = to_device(draft_ids, torch.long, dev)
-            probs = None
-            if any(q is not None for q in qs):
-                V = logits.shape[1]
-                parts = []
-                for q, k in zip(qs, nd):
-                    parts.append(q.to(dev).float() if q is not None else torch.zeros(k, V, device=dev))
-                    parts.append(torch.zeros(1, V, device=dev))
-                probs = torch.cat(parts)
-                onehot = torch.nn.functional.one_hot(draft_t.clamp(min=0), V).float()
-                none_rows = to_device(sum(([q is None] * (k + 1) for q, k in zip(qs, nd)), []), torch.bool, dev)
-                probs = torch.where(none_rows.unsqueeze(1), onehot, probs)
-            with phase(SAMPLE):
-                raw_lp = torch.log_softmax(logits.float(), dim=-1) if any_top else None
-                dv = rejection_sample_device(logits, st, nd, draft_t, probs, runner.sampler, rule=self.rule,
-                                             raw_logprobs=raw_lp)
-                tensors = [dv.packed]
-                kt_max = max((so.scheduled[i].sampling_params.top_logprobs for i in picks), default=0)
-                if any_top:  # every emitted slot's top log-probs, in the same copy
-                    v, ids = torch.topk(raw_lp[dv.rows], min(kt_max, raw_lp.shape[1]), dim=-1)
-                    tensors += [ids, v]
-                # the step's one device -> host copy (pinned, on the copy stream): the drafter
-                # needs the accepted counts and tokens on the host
-                host = runner.copier.start(tensors).wait()
-                res = dv.to_result(host[0])
-            self._record(so, picks, nd, res)
-            top_ids = host[1].tolist() if any_top else None
-            top_vals = host[2].tolist() if any_top else None
-            for j, i in enumerate(picks):
-                sampled[i] = res.tokens[j]
-                emitted[i] = res.tokens[j]
-                logprobs[i] = res.logprobs[j]
-                valid[i] += res.num_accepted[j]
-                kt = so.scheduled[i].sampling_params.top_logprobs
-                n_out = len(res.tokens[j])
-                if kt and top_ids is not None:
-                    tops[i] = [list(zip(a[:kt], b[:kt])) for a, b in zip(top_ids[j][:n_out], top_vals[j][:n_out])]
-                else:
-                    tops[i] = [[] for _ in res.tokens[j]]
+        if picks:  # rejection sampling of the logits rows (any sampling settings, grammars, top log-probs)
+            verify_on_host(self, runner, so, batch, logits_of, picks, grammar, any_top,
+                           StepTokens(sampled, emitted, logprobs, tops, valid))
         if drafted is None:
             drafted = self.drafter.propose(DraftContext(batch, streams, hidden, so.scheduled, valid, emitted), self.k)
         self.drafts = drafted
