@@ -179,3 +179,41 @@ def test_dspark_planned_ahead_drafts_equal_the_synchronous_loops(monkeypatch):
     for key in common:
         assert got[key][0] == want[key][0], key
         assert got[key][1] == pytest.approx(want[key][1], rel=1e-4, abs=1e-6), key
+
+
+def test_feed_placeholders_equals_the_token_buffers_fill():
+    """The lane graphs' in-graph feed (`feed_placeholders`) gives the ids and positions the
+    host-driven `DeviceTokenBuffer.fill` gives, on fresh random buffers and plans."""
+    import torch
+
+    from deepinfer.engine.outputs import ScheduledRequest, SchedulerOutput
+    from deepinfer.engine.request import PLACEHOLDER_TOKEN_ID
+    from deepinfer.engine.token_buffer import DeviceTokenBuffer
+    from deepinfer.models.fast.verify_graphs import feed_placeholders
+    from deepinfer.models.paged_batch import ForwardBatch
+
+    gen = torch.Generator().manual_seed(11)
+    width, seats = 4, 6
+    buf = DeviceTokenBuffer(seats, torch.device("cpu"), width=width)
+    buf.last.copy_(torch.randint(0, 8192, buf.last.shape, generator=gen))
+    buf.shift.copy_(-torch.randint(0, width, buf.shift.shape, generator=gen))
+    reqs, ids, positions = [], [], []
+    for i, slot in enumerate((4, 0, 2)):
+        planned = i != 1  # request 1 was not planned ahead: real ids, no shift
+        toks = [PLACEHOLDER_TOKEN_ID] * width if planned else [int(t) for t in torch.randint(0, 8192, (2,))]
+        start = 50 + 20 * i
+        reqs.append(ScheduledRequest(f"r{i}", toks, start, {}, slot, False, True, GREEDY, 5,
+                                     num_draft_tokens=len(toks) - 1))
+        ids += toks
+        positions += range(start, start + len(toks))
+    so = SchedulerOutput(reqs, len(ids))
+    batch = ForwardBatch(torch.tensor(ids), torch.tensor(positions), [])
+    buf.fill(so, batch)
+    rows, index = buf.placeholder_index(so)
+    src = torch.full((len(ids),), -1, dtype=torch.int32)
+    src[rows] = torch.tensor(index, dtype=torch.int32)
+    host_ids = torch.tensor(ids, dtype=torch.int32).clamp(min=0)
+    fed, pos, row_shift = feed_placeholders(buf.last, buf.shift, host_ids, torch.tensor(positions, dtype=torch.int32),
+                                            src)
+    assert fed.tolist() == batch.input_ids.tolist() and pos.tolist() == batch.positions.tolist()
+    assert row_shift.tolist() == batch.position_shift.tolist() and any(row_shift.tolist())

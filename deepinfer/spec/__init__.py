@@ -70,7 +70,8 @@ def setup(llm) -> None:
     from deepinfer.engine.token_buffer import DeviceTokenBuffer
     spec.token_storage = DeviceTokenBuffer.allocate(llm.config.max_num_seqs, 1 + k, llm.runner.device)
     verify = spec.verify_executor(llm.runner, llm.config.max_num_seqs)
-    if verify is not None and verify.has_greedy_lane:  # the drafter's work inside the lane's graphs (MTP's catch-up)
+    if verify is not None and verify.has_greedy_lane:  # the lane's graphs feed themselves; the drafter's tail
+        verify.token_storage = spec.token_storage
         verify.tail = drafter.verify_tail(*spec.token_storage)
     llm.scheduler.config.num_lookahead_tokens = drafter.lookahead
     if drafter.plans_ahead and llm.config.async_scheduling:  # rows of a plan made ahead sit up to k lower

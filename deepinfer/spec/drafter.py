@@ -68,7 +68,7 @@ class Drafter:
 
     def can_draft_after_verify(self, so: Any) -> bool:
         """Whether `draft_after_verify` drafts behind the verify graph of ``so`` even when its
-        positions are shifted on the device (``ForwardBatch.position_shift``): the condition
+        positions are shifted on the device (``VerifyStep.row_shift``): the condition
         for planning the step after ``so`` before ``so`` lands (`spec/plan_ahead.py`)."""
         return False
 

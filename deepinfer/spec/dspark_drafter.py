@@ -270,9 +270,9 @@ class DSparkDrafter(Drafter):
         most = max(r.num_draft_tokens for r in so.scheduled)
         # a step planned ahead sits up to `lower` positions below its plan (shift [T] on the
         # device): the host lays out pool rows from that far down and the device picks
-        shift = batch.position_shift
-        lower = self.k if shift is not None else 0
         b, t = len(so.scheduled), batch.num_tokens
+        shift = lane.row_shift[:t] if lane.row_shift is not None else batch.position_shift
+        lower = self.k if batch.planned_ahead else 0
         ext = np.empty((b, N_COLS + W - 1 + most + lower), dtype=np.int64)
         feat = np.empty((t, 2 + lower), dtype=np.int64)  # per row: its plan's position, pool rows from `lower` below
         for g, (r, seq, cut) in enumerate(zip(so.scheduled, batch.seqs, batch_cuts(batch))):

@@ -176,6 +176,8 @@ class MTPDrafter(Drafter):
         if rows is None:
             return None
         shift = batch.position_shift  # a step planned ahead: its rows' true positions are shifted
+        if lane.row_shift is not None:  # (the verify graph shifted them itself)
+            shift = lane.row_shift[:batch.num_tokens]
         b = len(so.scheduled)
         if lane.tail is not None:  # the catch-up and its pick ran inside the verify graph
             first, first_streams, _, later = (t[:b] for t in lane.tail)

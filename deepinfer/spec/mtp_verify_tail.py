@@ -26,8 +26,8 @@ __all__ = ["MTPVerifyTail"]
 
 
 class MTPVerifyTail:
-    """``feed(meta, src)`` -> the step's meta with its placeholder ids and shifted positions,
-    and the rows' shifts; ``tail(meta, streams, packed, greedy, n_groups, row_shift)`` -> per
+    """``tail(meta, streams, packed, greedy, n_groups, row_shift)`` (meta: fed, its
+    positions shifted by ``row_shift``, `verify_graphs.feed_placeholders`) -> per
     group (first draft packed [R, 2] (token, log-prob bits), its output streams [R, N, D],
     accepted drafts [R], accepted + the group's shift [R]: where its later passes start)."""
 
@@ -37,17 +37,6 @@ class MTPVerifyTail:
                              f"must have the same rows (slots + a spare one) and at least 2 columns")
         self.stage, self.last, self.shift = stage, last, shift
         self.spare = last.shape[0] - 1  # padded groups record here
-
-    def feed(self, meta: Any, src: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        """Rows with ``src >= 0`` (a plan made ahead: `DeviceTokenBuffer.placeholder_index`)
-        read their id from the token buffer and add their slot's shift to their position,
-        before the verify forward and before the tail below records this step's results."""
-        given = src >= 0
-        at = src.clamp(min=0).long()
-        ids = torch.where(given, self.last.view(-1)[at], meta.ids.long()).to(meta.ids.dtype)
-        row_shift = torch.where(given, self.shift[at // self.last.shape[1]], 0)
-        return dataclasses.replace(meta, ids=ids, positions=meta.positions + row_shift.to(meta.positions.dtype)), \
-            row_shift
 
     def __call__(self, meta: Any, streams: torch.Tensor, packed: torch.Tensor, greedy: torch.Tensor,
                  n_groups: torch.Tensor, row_shift: torch.Tensor

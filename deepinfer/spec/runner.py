@@ -263,9 +263,9 @@ class SpecDecoder:
         sampled: list[list[int]] = [[] for _ in so.scheduled]
         if not so.scheduled:
             return ModelRunnerOutput(req_ids, sampled)
-        with phase(PREPARE_INPUTS):  # a verify graph with a tail gathers placeholders itself
+        with phase(PREPARE_INPUTS):  # the lane's verify graphs gather placeholders themselves
             verify = self._verify
-            batch = runner.build_batch(so, deferred=verify is not None and verify.tail is not None)
+            batch = runner.build_batch(so, deferred=verify is not None and verify.token_storage is not None)
         # the verify graphs' greedy lane: acceptance inside the graph, one copy to the host
         lane_ok = grammar is None and self.rule == "standard" and all(
             r.needs_sample and r.num_tokens == r.num_draft_tokens + 1 and r.sampling_params.is_greedy

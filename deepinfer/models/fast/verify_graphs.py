@@ -27,6 +27,7 @@ copy. Its logits stay in the pool (R x V float32), hence the row cap.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,19 @@ def greedy_lane_max_rows(vocab_size: int) -> int:
     return max(GREEDY_MAX_ROWS, GREEDY_LOGITS_BYTES // (4 * vocab_size))
 
 
+def feed_placeholders(last: torch.Tensor, shift: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+                      src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows with ``src >= 0`` (a plan made ahead: `DeviceTokenBuffer.placeholder_index`'s
+    flat indices into ``last`` [slots, width]) read their id there and add their slot's
+    ``shift`` to their position; other rows keep theirs. Returns (ids, positions, row shifts
+    [R] int64, zeros for the given rows): `DeviceTokenBuffer.fill` on the device, in a graph."""
+    given = src >= 0
+    at = src.clamp(min=0).long()
+    fed = torch.where(given, last.view(-1)[at], ids.long()).to(ids.dtype)
+    row_shift = torch.where(given, shift[at // last.shape[1]], 0)
+    return fed, positions + row_shift.to(positions.dtype), row_shift
+
+
 @dataclass
 class VerifyStep:
     """A decode-like verify step's outputs: the final streams (V4.1: the collapsed hidden)
@@ -74,6 +88,9 @@ class VerifyStep:
     rows: int = 0
     #: the outputs of the graph's ``VerifyGraphs.tail`` (None without one, off the lane)
     tail: tuple | None = None
+    #: [R] int64 per row: the position shift the graph added (a step planned ahead; zeros
+    #: otherwise), when the lane's graph fed itself from the token buffer (`feed_placeholders`)
+    row_shift: torch.Tensor | None = None
     _accepted: tuple | None = None
 
     def row_argmax(self, n: int) -> torch.Tensor:
@@ -153,11 +170,15 @@ class VerifyGraphs:
         self.counts = {"steps": 0, "graph_steps": 0, "eager_steps": 0, "greedy_steps": 0, "tail_steps": 0}
         self.greedy_max_rows = greedy_lane_max_rows(fast.model.cfg.vocab_size)
         #: work captured at the end of the greedy lane's graphs, set before the warm-up:
-        #: ``tail.feed(meta, src)`` -> (meta, row shifts) first, then
-        #: ``tail(meta, streams, packed, greedy, n_groups, row_shifts)`` -> tensors (the MTP stage's
-        #: catch-up, spec/mtp_verify_tail.py); its graphs read the step's request count
+        #: the async token buffer's storage (last, shift), set before the warm-up: the lane's
+        #: graphs then gather a planned step's placeholder ids and shift its positions
+        #: themselves (`feed_placeholders`), from host ids and buffer indices in the step's copy
+        self.token_storage: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: work captured at the end of the lane's graphs (needs ``token_storage``), set before
+        #: the warm-up: ``tail(meta, streams, packed, greedy, n_groups, row_shift)`` -> tensors
+        #: (the MTP stage's catch-up, spec/mtp_verify_tail.py); ``n_groups`` the request count
         self.tail: Callable[..., tuple] | None = None
-        self._tail_inputs: dict[tuple[int, int], tuple[StepInputs, torch.Tensor]] = {}
+        self._fed_inputs: dict[tuple[int, int], tuple[StepInputs, torch.Tensor, torch.Tensor]] = {}
 
     def _bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -173,13 +194,14 @@ class VerifyGraphs:
         return self.fast.program.verify is not None
 
     def _body_greedy(self, arg: Any) -> tuple:
-        """The lane's graph: ``arg`` a step's meta, or (meta, n_groups, src) with a ``tail``
-        (which first gathers the rows' placeholder ids and position shifts: ``tail.feed``)."""
+        """The lane's graph: ``arg`` a step's meta, or (meta, n_groups, src) fed from the
+        token buffer (`feed_placeholders`), then the ``tail`` if there is one."""
         fast = self.fast
         meta, n_groups, src = arg if isinstance(arg, tuple) else (arg, None, None)
         row_shift = None
         if n_groups is not None:
-            meta, row_shift = self.tail.feed(meta, src)
+            ids, positions, row_shift = feed_placeholders(*self.token_storage, meta.ids, meta.positions, src)
+            meta = dataclasses.replace(meta, ids=ids, positions=positions)
         capture = dict.fromkeys(self.layers) if self.layers else None
         streams, logits = fast.program.verify(fast.model, fast.batch_of(meta), fast.cache, capture)
         packed = torch.empty(logits.shape[0], 2, dtype=torch.int64, device=logits.device)
@@ -187,12 +209,13 @@ class VerifyGraphs:
         greedy = greedy_verify_packed(meta.ids, packed, meta.starts)
         if n_groups is None:
             return streams, capture or {}, greedy
-        return streams, capture or {}, greedy, self.tail(meta, streams, packed, greedy, n_groups, row_shift)
+        tail = self.tail(meta, streams, packed, greedy, n_groups, row_shift) if self.tail is not None else None
+        return streams, capture or {}, greedy, row_shift, tail
 
     def _lane_inputs(self, rows: int, width: int) -> tuple[StepInputs, torch.Tensor, torch.Tensor]:
-        """A tailed lane graph's persistent inputs: the step's, then per row the flat token
+        """A fed lane graph's persistent inputs: the step's, then per row the flat token
         buffer index its id comes from (-1: the id is given), then the request count."""
-        buf = self._tail_inputs.get((rows, width))
+        buf = self._fed_inputs.get((rows, width))
         if buf is None:
             fast = self.fast
             head = 4 * rows + 1
@@ -202,7 +225,7 @@ class VerifyGraphs:
                       for i, g in enumerate(fast.groups)}
             inputs = StepInputs(flat, flat[:rows], flat[rows:2 * rows], flat[2 * rows:3 * rows], flat[3 * rows:head],
                                 tables)
-            buf = self._tail_inputs[(rows, width)] = (inputs, flat[-1:], flat[body:body + rows])
+            buf = self._fed_inputs[(rows, width)] = (inputs, flat[-1:], flat[body:body + rows])
         return buf
 
     def warmup(self, shapes: list[tuple[int, int]]) -> int:
@@ -229,7 +252,7 @@ class VerifyGraphs:
         return len(self.warmed)
 
     def _dummy_lane_arg(self, rows: int, width: int) -> Any:
-        if self.tail is None:
+        if self.token_storage is None:
             return self.fast._dummy_meta(rows, width)
         inputs, n_groups, src = self._lane_inputs(rows, width)
         inputs.fill_dummy()  # no request: the tail records into the spare row only
@@ -273,9 +296,9 @@ class VerifyGraphs:
         n, width = batch.num_tokens, fast._width(so)
         rows, graphed = self._shape(so, n, width)
         lane = greedy and graphed and fast.graphs.has(self._key(rows, width, greedy=True))
-        # a tail gathers the placeholder ids and position shifts in the graph (`tail.feed`):
-        # the host ids and buffer indices go in the step's one copy below
-        tailed = lane and self.tail is not None
+        # a fed lane graph gathers the placeholder ids and position shifts itself: the host
+        # ids and buffer indices go in the step's one copy below
+        tailed = lane and self.token_storage is not None
         host_fed = tailed and batch.host_ids is not None  # (else a batch made by hand: device ids, no shift)
         if not host_fed:
             batch.materialize()
@@ -290,7 +313,7 @@ class VerifyGraphs:
                 src[ph_rows] = ph_index
                 host[n:rows], src[n:] = host[0], src[0]  # padded rows repeat row 0
             elif batch.position_shift is not None:
-                raise ValueError("VerifyGraphs.run: a shifted batch without host ids cannot take the tailed lane")
+                raise ValueError("VerifyGraphs.run: a shifted batch without host ids cannot take the fed lane")
             host = np.concatenate([host, src, np.array([len(so.scheduled)], dtype=np.int32)])
         else:
             inputs = (fast._graph_inputs(rows, width) if graphed
@@ -306,17 +329,17 @@ class VerifyGraphs:
         meta = fast._meta(inputs, width, graphed, n)
         self.counts["steps"] += 1
         fast._counts["fast_steps"] += 1  # the fast path's step counts include its verify steps
-        result = tail = None
+        result = tail = row_shift = None
         if lane:
             self.counts["graph_steps"] += 1
             self.counts["greedy_steps"] += 1
             fast._counts["graph_steps"] += 1
-            if self.tail is None:
+            if self.token_storage is None:
                 streams, hidden, result = fast.graphs.replay(self._key(rows, width, greedy=True), meta,
                                                              self._body_greedy)
             else:
-                self.counts["tail_steps"] += 1
-                streams, hidden, result, tail = fast.graphs.replay(self._key(rows, width, greedy=True),
+                self.counts["tail_steps"] += self.tail is not None
+                streams, hidden, result, row_shift, tail = fast.graphs.replay(self._key(rows, width, greedy=True),
                                                                    (meta, n_groups, self._lane_inputs(rows, width)[2]),
                                                                    self._body_greedy)
         elif graphed:
@@ -328,8 +351,9 @@ class VerifyGraphs:
             streams, hidden = self._body(meta)
         for i in layers:
             capture[i] = hidden[i][:n]
-        return VerifyStep(streams[:n], result, rows, tail)
+        return VerifyStep(streams[:n], result, rows, tail, row_shift)
 
 
-__all__ = ["GREEDY_LOGITS_BYTES", "GREEDY_MAX_ROWS", "VerifyGraphs", "VerifyStep", "greedy_lane_max_rows",
+__all__ = ["GREEDY_LOGITS_BYTES", "GREEDY_MAX_ROWS", "VerifyGraphs", "VerifyStep", "feed_placeholders",
+           "greedy_lane_max_rows",
            "greedy_verify_packed", "verify_row_buckets", "verify_shapes"]
