@@ -217,3 +217,26 @@ def test_feed_placeholders_equals_the_token_buffers_fill():
                                             src)
     assert fed.tolist() == batch.input_ids.tolist() and pos.tolist() == batch.positions.tolist()
     assert row_shift.tolist() == batch.position_shift.tolist() and any(row_shift.tolist())
+
+
+def test_paged_slots_of_equals_paged_slots_per_request():
+    """The batched pool-row lookup (DSpark's after-verify layout) == `paged_slots` per
+    request, on random tables with freed window blocks, and raises on a freed block."""
+    import numpy as np
+
+    from deepinfer.models.paged_batch import padded_tables, paged_slots, paged_slots_of
+
+    gen = np.random.default_rng(7)
+    per_block = 16
+    tables = [list(gen.permutation(200)[:n]) for n in (3, 9, 5)]
+    for t in tables:
+        t[0] = -1  # the window's oldest block was freed
+    start = np.array([20, 100, 50])
+    pos = start[:, None] + np.arange(24)
+    valid = pos < np.array([48, 144, 80])[:, None]
+    got = paged_slots_of(padded_tables(tables), pos, valid, per_block)
+    for i, t in enumerate(tables):
+        want = paged_slots(t, int(pos[i, 0]), pos.shape[1], per_block, valid=valid[i])
+        assert got[i].tolist() == want.tolist()
+    with pytest.raises(RuntimeError, match="freed block"):
+        paged_slots_of(padded_tables(tables), pos - 10, pos - 10 >= 0, per_block)

@@ -89,6 +89,30 @@ def paged_slots(table: list[int], start: int, n: int, per_block: int, valid: np.
     return np.where(ok, blocks * per_block + safe % per_block, 0)
 
 
+def padded_tables(tables: list[list[int]]) -> np.ndarray:
+    """Block tables as one int64 array [requests, longest], short ones padded with -1."""
+    out = np.full((len(tables), max((len(t) for t in tables), default=0) or 1), -1, dtype=np.int64)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return out
+
+
+def paged_slots_of(tables: np.ndarray, positions: np.ndarray, valid: np.ndarray, per_block: int) -> np.ndarray:
+    """:func:`paged_slots` for many requests at once: ``tables`` [R, L] (`padded_tables`),
+    ``positions`` / ``valid`` [R, N] -> flat pool rows [R, N] (invalid positions map to 0;
+    a valid one past its table or in a freed block raises, as there)."""
+    safe = np.where(valid, positions, 0)
+    col = safe // per_block
+    inside = col < tables.shape[1]
+    blocks = np.take_along_axis(tables, np.minimum(col, tables.shape[1] - 1), axis=1)
+    bad = valid & (~inside | (blocks < 0))
+    if bad.any():
+        r, n = map(int, np.argwhere(bad)[0])
+        raise RuntimeError(f"read or write of a freed block: position {int(positions[r, n])} of table "
+                           f"{tables[r][tables[r] != -1].tolist()}")
+    return np.where(valid, blocks * per_block + safe % per_block, 0)
+
+
 def gather_rows(pool: torch.Tensor, table: list[int], start: int, end: int) -> torch.Tensor:
     """Rows [start, end) of one request's paged sequence: pool is [blocks, per_block, ...]."""
     slots = torch.from_numpy(paged_slots(table, start, end - start, pool.shape[1]))

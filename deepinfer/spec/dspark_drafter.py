@@ -44,7 +44,7 @@ from deepinfer.models.fast.draft_dspark import N_COLS, block_rows, sample_block
 from deepinfer.models.fast.draft_dspark import device_rotary, unpack_block
 from deepinfer.models.fast.draft_graphs import DraftGraphs, FeatureGraphs
 from deepinfer.models.fast.forward import blocks_supported
-from deepinfer.models.paged_batch import paged_slots
+from deepinfer.models.paged_batch import padded_tables, paged_slots, paged_slots_of
 from deepinfer.models.registry import family_of
 from deepinfer.models.v4.dspark import NO_POSITION
 from deepinfer.models.v4.kv_cache import GROUP_SWA, KVCache
@@ -266,28 +266,17 @@ class DSparkDrafter(Drafter):
         if (self.graphs is None or self.feature_graphs is None or lane is None or lane.greedy is None
                 or n_draft != self._n_graph or not so.scheduled):
             return None
-        W, per_block = self.cfg.sliding_window, self._rows_per_block()
+        W = self.cfg.sliding_window
         most = max(r.num_draft_tokens for r in so.scheduled)
         # a step planned ahead sits up to `lower` positions below its plan (shift [T] on the
         # device): the host lays out pool rows from that far down and the device picks
-        b, t = len(so.scheduled), batch.num_tokens
+        t = batch.num_tokens
         shift = lane.row_shift[:t] if lane.row_shift is not None else batch.position_shift
         lower = self.k if batch.planned_ahead else 0
-        ext = np.empty((b, N_COLS + W - 1 + most + lower), dtype=np.int64)
-        feat = np.empty((t, 2 + lower), dtype=np.int64)  # per row: its plan's position, pool rows from `lower` below
-        for g, (r, seq, cut) in enumerate(zip(so.scheduled, batch.seqs, batch_cuts(batch))):
+        for r, seq, cut in zip(so.scheduled, batch.seqs, batch_cuts(batch)):
             if cut > seq.start or not r.sampling_params.is_greedy:
                 return None
-            table = seq.block_table[GROUP_SWA]
-            pos = seq.start - lower + np.arange(seq.length + lower)
-            rows = paged_slots(table, int(pos[0]), seq.length + lower, per_block, valid=pos >= 0)
-            feat[seq.offset:seq.offset + seq.length, 0] = pos[lower:]
-            feat[seq.offset:seq.offset + seq.length, 1:] = np.lib.stride_tricks.sliding_window_view(
-                rows, lower + 1)[:seq.length]
-            ctx = seq.start - lower + (2 - W) + np.arange(W - 1 + most + lower)  # accepted 0 (shift -lower) on
-            valid = (ctx >= 0) & (ctx < seq.start + seq.length)
-            ext[g, N_COLS:] = paged_slots(table, int(ctx[0]), W - 1 + most + lower, per_block, valid=valid)
-            ext[g, :N_COLS] = (0, seq.start, rng.seed_to_int64(r.sampling_params.seq_seed), 1, _float_bits(1.0))
+        ext, feat = self._after_verify_layout(so, batch, most, lower)
         dev = streams.device
         host = torch.empty(ext.size + feat.size, dtype=torch.int64, device=dev)
         copy_to_device(host, np.concatenate([ext.ravel(), feat.ravel()]))  # staged: never waits for the stream
@@ -306,6 +295,31 @@ class DSparkDrafter(Drafter):
             return None
         self.graphs.stats["after_verify_steps"] += 1
         return out[0]
+
+    def _after_verify_layout(self, so, batch, most: int, lower: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host inputs of `draft_after_verify`, every request at once: ``ext`` [requests,
+        N_COLS + W - 1 + most + lower] (block columns, then context pool rows of the window
+        for accepted count 0 at a shift of -``lower``, and further), ``feat`` [rows, 2 + lower]
+        (per verify row: its plan's position, then the pool rows of that position shifted by
+        -lower .. 0)."""
+        W, per_block = self.cfg.sliding_window, self._rows_per_block()
+        seqs = batch.seqs
+        tables = padded_tables([s.block_table[GROUP_SWA] for s in seqs])
+        start = np.fromiter((s.start for s in seqs), dtype=np.int64, count=len(seqs))
+        length = np.fromiter((s.length for s in seqs), dtype=np.int64, count=len(seqs))
+        group = np.repeat(np.arange(len(seqs)), length)
+        row_pos = start[group] + np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
+        shifted = row_pos[:, None] - lower + np.arange(lower + 1)
+        feat = np.empty((row_pos.shape[0], 2 + lower), dtype=np.int64)
+        feat[:, 0] = row_pos
+        feat[:, 1:] = paged_slots_of(tables[group], shifted, shifted >= 0, per_block)
+        ctx = (start - lower + 2 - W)[:, None] + np.arange(W - 1 + most + lower)
+        valid = (ctx >= 0) & (ctx < (start + length)[:, None])
+        ext = np.empty((len(seqs), N_COLS + ctx.shape[1]), dtype=np.int64)
+        ext[:, N_COLS:] = paged_slots_of(tables, ctx, valid, per_block)
+        ext[:, 0], ext[:, 1], ext[:, 3], ext[:, 4] = 0, start, 1, _float_bits(1.0)
+        ext[:, 2] = [rng.seed_to_int64(r.sampling_params.seq_seed) for r in so.scheduled]
+        return ext, feat
 
     def can_draft_after_verify(self, so) -> bool:
         return (self.graphs is not None and self.feature_graphs is not None and min(self.k, self.gamma) == self._n_graph
