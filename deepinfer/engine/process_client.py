@@ -36,6 +36,7 @@ import logging
 import multiprocessing as mp
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -47,7 +48,11 @@ from deepinfer.engine.output_processor import StreamDelta
 from deepinfer.errors import DeepInferError, InvalidRequestError
 from deepinfer.sampling_params import SamplingParams
 
-__all__ = ["ProcessEngineClient"]
+__all__ = ["ENGINE_SWITCH_INTERVAL_S", "ProcessEngineClient"]
+
+#: sys.setswitchinterval of the engine process (seconds): how long its sender / admission threads
+#: may wait for the step loop to hand over the GIL (benchmarks/serve_h200.py measures the effect)
+ENGINE_SWITCH_INTERVAL_S = 0.0005
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +61,17 @@ class ProcessEngineClient(StreamingClient):
     """Drives an `EngineCore` built in a spawned process from ``engine_kwargs`` (``EngineCore(**kwargs)``)."""
 
     def __init__(self, engine_kwargs: dict[str, Any], max_waiting: int = 256, on_step: StepHook | None = None,
-                 start_timeout_s: float = 1800.0) -> None:
+                 start_timeout_s: float = 1800.0, switch_interval_s: float = ENGINE_SWITCH_INTERVAL_S) -> None:
         super().__init__(max_waiting, on_step)
         if not start_timeout_s > 0:
             raise ValueError(f"start_timeout_s must be > 0, got {start_timeout_s}")
+        if not switch_interval_s > 0:
+            raise ValueError(f"switch_interval_s must be > 0, got {switch_interval_s}")
         self.engine_kwargs = dict(engine_kwargs)
         self.start_timeout_s = start_timeout_s
         ctx = mp.get_context("spawn")  # CUDA cannot be forked
         self._conn, self._child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=_engine_main, args=(self._child_conn, self.engine_kwargs),
+        self._proc = ctx.Process(target=_engine_main, args=(self._child_conn, self.engine_kwargs, switch_interval_s),
                                  name="deepinfer-engine", daemon=True)
         self._send_lock = threading.Lock()
         self._admits: dict[int, concurrent.futures.Future] = {}
@@ -206,7 +213,7 @@ class ProcessEngineClient(StreamingClient):
 
 
 # ---- the engine process ---------------------------------------------------------------------
-def _engine_main(conn: Any, engine_kwargs: dict[str, Any]) -> None:
+def _engine_main(conn: Any, engine_kwargs: dict[str, Any], switch_interval_s: float) -> None:
     """The engine process: build the core, then apply commands and step until told to stop."""
     from deepinfer.engine.admission import admit_generate
     from deepinfer.engine.client_base import engine_stats
@@ -214,6 +221,9 @@ def _engine_main(conn: Any, engine_kwargs: dict[str, Any]) -> None:
 
     # Ctrl-C reaches the whole process group: the server shuts this process down itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the sender and admission threads wait for the GIL while the step loop runs Python; with
+    # Python's 5 ms interval a step's deltas could sit that long before they are sent
+    sys.setswitchinterval(switch_interval_s)
     try:
         core = EngineCore(**engine_kwargs)
     except BaseException as exc:  # noqa: BLE001 - reported to the server, which fails to start with it
