@@ -115,8 +115,12 @@ def test_no_commit_of_this_repo_named_in_engine_docstrings_or_comments() -> None
 def test_the_commit_check_confirms_with_git(tmp_path) -> None:
     if subprocess.run(["git", "rev-parse", "--git-dir"], cwd=REPO, capture_output=True).returncode != 0:
         pytest.skip("not a git checkout")
-    head = subprocess.run(["git", "rev-parse", "--short=9", "HEAD"], cwd=REPO, capture_output=True, text=True,
+    full = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                           check=True).stdout.strip()
+    # the shortest prefix of 9+ characters with a letter: a hash of digits only reads as a number
+    head = next((full[:n] for n in range(9, 41) if re.search("[a-f]", full[:n])), None)
+    if head is None:
+        pytest.skip("HEAD's hash has no letter")
     f = tmp_path / "m.py"
     f.write_text(f'"""fixed at {head}; see results/run_{head}.json"""\n# 0xdeadbeef, abc1234def5 is no commit\nx = 1\n')
     hits = commit_hashes([f], tmp_path)
