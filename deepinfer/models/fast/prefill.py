@@ -27,12 +27,14 @@ MODES = ("auto", "0", "triton", "ref")  # DEEPINFER_FAST_PREFILL (declared in de
 def prefill_ops(kind: str) -> SimpleNamespace:
     """The decode fast path's ops (mHC, router, fused MoE) plus the prefill kernels."""
     ops = kernel_ops(kind)
+    from deepinfer_kernels import compressor_prefill as cp
     from deepinfer_kernels import prefill_attention as pa
     from deepinfer_kernels import prefill_indexer as pi
 
     sfx = "" if kind == "triton" else "_ref"
     ops.prefill_attention = getattr(pa, "prefill_attention" + sfx)
     ops.prefill_indexer_topk = getattr(pi, "prefill_indexer_topk" + sfx)
+    ops.compressor_prefill = getattr(cp, "compressor_prefill" + sfx)
     return ops
 
 

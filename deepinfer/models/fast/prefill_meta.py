@@ -16,6 +16,7 @@ import torch
 
 from ..paged_batch import SeqMeta
 from .prefill_compressor import CompressorPlan, build_plan
+from .prefill_compressor_fused import FusedCompressorPlan, build_fused_plan
 
 
 @dataclass
@@ -63,6 +64,17 @@ class PrefillMeta:
         if key not in self._plans:
             self._plans[key] = build_plan(self.seqs, comp.ratio, comp.overlap, store.ring.shape[1], store.group,
                                           store.entries.shape[1], self.block_size, self.device)
+        return self._plans[key]
+
+    def fused_plan(self, comp: torch.nn.Module, store: Any) -> FusedCompressorPlan:
+        """The step's source-code plan (prefill_compressor_fused.py) for compressors like ``comp``."""
+        ring = store.ring
+        key = ("fused", comp.ratio, comp.overlap, ring.shape[0], ring.shape[1], store.group, store.entries.shape[1],
+               store.tail is not None)
+        if key not in self._plans:
+            self._plans[key] = build_fused_plan(self.seqs, comp.ratio, comp.overlap, ring.shape[0], ring.shape[1],
+                                                store.group, store.entries.shape[1], self.block_size,
+                                                store.tail is not None, self.device)
         return self._plans[key]
 
 

@@ -3,7 +3,7 @@ once (no Python loop over requests or rows).
 
 Order of work, as the reference does per request: project q / kv for all rows, write
 every row's window KV into the paged pool, run the compressor(s) over the whole step
-(models/fast/prefill_compressor.py), select CSA entries with the prefill indexer, then one
+(models/fast/prefill_compressor_fused.py: two launches each), select CSA entries with the prefill indexer, then one
 ``prefill_attention`` kernel call reads each row's window + compressed keys from the pools.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...fast.decode import _inv_freq
-from ...fast.prefill_compressor import compress_prefill
+from ...fast.prefill_compressor_fused import compress_prefill_fused
 from ...fast.prefill_meta import PrefillMeta
 from ...rope import Rotary
 from ..kv_cache import GROUP_CSA, GROUP_SWA, KVCache
@@ -37,7 +37,7 @@ def attention_prefill(attn: torch.nn.Module, x: torch.Tensor, meta: PrefillMeta,
     of x, q_norm, one GEMM for wq_b (+ the indexer's), q / kv norm + RoPE (kv written
     into the window pool), the compressors, indexer scores + top-k, the attention
     kernel, the output's inverse RoPE, wo_a, wo_b."""
-    cfg, ops, pos, bs = attn.cfg, meta.ops, meta.positions, meta.block_size
+    cfg, ops, pos = attn.cfg, meta.ops, meta.positions
     n = x.shape[0]
     inv = _inv_freq(rotary_compress if attn.ratio else rotary_main, x.device)
     comp, ix = attn.compressor, attn.indexer
@@ -49,11 +49,11 @@ def attention_prefill(attn: torch.nn.Module, x: torch.Tensor, meta: PrefillMeta,
     block_t = max(1, ATTN_ROWS // block_h)
     block_n = 64 if block_h >= 64 else 32
     if comp is not None:
-        compress_prefill(comp, proj[2], proj[3], pos, meta.plan(comp, kv_store), kv_store, rotary_compress, bs)
+        compress_prefill_fused(comp, proj[2], proj[3], pos, meta.fused_plan(comp, kv_store), kv_store, inv, ops)
         extra = dict(comp_pool=kv_store.entries, comp_table=meta.tables32[kv_store.group], ratio=attn.ratio)
         if ix is not None:
-            compress_prefill(ix.compressor, proj[4], proj[5], pos, meta.plan(ix.compressor, index_store),
-                             index_store, rotary_compress, bs)
+            compress_prefill_fused(ix.compressor, proj[4], proj[5], pos, meta.fused_plan(ix.compressor, index_store),
+                                   index_store, inv, ops)
             iq = ops.norm_rope(q_side[1].view(n, ix.n_heads, ix.dim), pos, inv, "none")
             iw = proj[6].float() * ix.n_heads ** -0.5
             extra["topk_idx"] = ops.prefill_indexer_topk(
