@@ -55,8 +55,8 @@ def check_device(*tensors: torch.Tensor) -> None:
 
 
 def next_pow2(n: int) -> int:
-    """Smallest power of two >= n (>= 1)."""
-    return triton.next_power_of_2(max(1, int(n)))
+    """Smallest power of two >= n (>= 1); bit arithmetic, as every kernel launch calls it."""
+    return 1 << (max(1, int(n)) - 1).bit_length()
 
 
 @triton.jit

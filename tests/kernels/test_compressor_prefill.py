@@ -108,3 +108,14 @@ def test_new_request_off_the_ratio_grid_is_refused() -> None:
     seq = SeqMeta(6, 3, 0, {"csa": [0, 1]}, 0, is_new=True)
     with pytest.raises(ValueError, match="position 6, not at a multiple of the compressor ratio 4"):
         build_fused_plan([seq], 4, True, 2, 11, "csa", 4, BS, True, torch.device("cpu"))
+
+
+def test_plan_views_are_16_byte_aligned() -> None:
+    """Triton compiles a variant per pointer alignment: every plan view must start aligned,
+    whatever the lengths of the arrays packed before it."""
+    seqs = _seqs(STEP)
+    for ratio, overlap in ((4, True), (8, False), (16, False)):
+        plan = build_fused_plan(seqs, ratio, overlap, 4, 2 * ratio + 3, "csa", BS // ratio, BS, overlap,
+                                torch.device("cpu"))
+        for name, view in vars(plan).items():
+            assert view.data_ptr() % 16 == 0, (ratio, name, view.numel())

@@ -87,11 +87,14 @@ def build_fused_plan(seqs: list[SeqMeta], ratio: int, overlap: bool, ring_slots:
         cols = nwin if name == "win_src" else r if name == "tail_src" else 0
         arr = np.concatenate(parts[name]) if parts[name] else np.zeros((0, cols) if cols else 0, dtype=np.int64)
         arrays.append(arr.astype(np.int64))
-    flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays])).to(device)
-    views, at = [], 0
-    for a in arrays:
-        views.append(flat[at:at + a.size].view(a.shape))
-        at += a.size
+    # each view starts 16-byte aligned: Triton specializes a kernel on its pointers' alignment,
+    # so a view at an odd int64 offset would compile another variant mid-serving
+    starts = np.cumsum([0] + [a.size + a.size % 2 for a in arrays])
+    buf = np.zeros(int(starts[-1]), dtype=np.int64)
+    for a, at in zip(arrays, starts):
+        buf[at:at + a.size] = a.ravel()
+    flat = torch.from_numpy(buf).to(device)
+    views = [flat[at:at + a.size].view(a.shape) for a, at in zip(arrays, starts)]
     return FusedCompressorPlan(*views)
 
 
