@@ -18,6 +18,7 @@ import pytest  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.models.default_model import trained_model_dir  # noqa: E402
+from deepinfer.spec.scheduling import StepTimeCurve, assign, plan_budget  # noqa: E402
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 3, "Once upon a time, there was a", "def fibonacci(n):"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -179,6 +180,53 @@ def test_dspark_planned_ahead_drafts_equal_the_synchronous_loops(monkeypatch):
     for key in common:
         assert got[key][0] == want[key][0], key
         assert got[key][1] == pytest.approx(want[key][1], rel=1e-4, abs=1e-6), key
+
+
+def test_dspark_scheduled_verification_is_planned_ahead(monkeypatch):
+    """Confidence-scheduled verification (enable_mtp_varlen) plans ahead too: each plan made
+    ahead verifies the draft counts its budget gives (some requests fewer than k, under a
+    step-time curve that makes verify rows costly) and gives the tokens of no speculation."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(8192) for _ in range(n)] for n in (12, 40, 96, 250, 300, 372)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    mp = pytest.MonkeyPatch()
+    try:
+        want = _tokens(_llm(mp, 0, async_scheduling=False, model=DSPARK, max_model_len=512), prompts, params)
+    finally:
+        mp.undo()
+    llm = _llm(monkeypatch, 5, model=DSPARK, max_model_len=512, max_num_seqs=8, enable_mtp_varlen=True)
+    spec = llm.runner.spec
+    spec.curve = StepTimeCurve([1, 8, 16, 24, 32, 48], [1.0, 1.0, 1.6, 2.4, 3.2, 4.8])  # rows past 8 cost
+    lengths: list[int] = []
+    planned = spec.planned_ahead_lengths
+    monkeypatch.setattr(spec, "planned_ahead_lengths", lambda ids: lengths.extend(planned(ids)) or lengths[-len(ids):])
+    assert _tokens(llm, prompts, params) == want
+    planner = llm.async_loop.planner
+    assert planner.stats["planned_ahead"] >= 15 and planner.stats["resolved"] == 0
+    assert min(lengths) < 5 and max(lengths) > 0 and 0 < sum(lengths) < 5 * len(lengths)
+    assert llm.runner.spec.drafter.graphs.stats["after_verify_steps"] >= planner.stats["planned_ahead"]
+    llm.kv_manager.assert_consistent()
+
+
+def test_planned_ahead_lengths_split_the_older_budget_with_the_host_confidences():
+    """The first plan made ahead verifies every draft; later ones take their budget from the
+    plan before and split it by the confidences of the drafts in flight; a request without
+    any verifies all k; fixed-length verification always k."""
+    from deepinfer.spec.runner import SpecDecoder
+
+    curve = StepTimeCurve([1, 2, 3, 4, 6], [1.0, 1.0, 1.2, 2.0, 3.0])  # one extra row pays, two do not
+    spec = SpecDecoder(drafter=None, num_speculative_tokens=2, varlen=True, curve=curve)
+    spec.confidences = {"a": [0.9, 0.8], "b": [0.1, 0.1]}
+    assert spec.planned_ahead_lengths(["a", "b"]) == [2, 2]
+    assert spec.older_confidences == [[0.9, 0.8], [0.1, 0.1]]
+    spec.confidences = {"a": [0.2, 0.1], "b": [0.9, 0.9]}
+    # the budget (one extra row) from the older confidences goes to b, which the newest favour
+    got = spec.planned_ahead_lengths(["a", "b", "c"])
+    want_budget = plan_budget([[0.9, 0.8], [0.1, 0.1]], curve)
+    assert got[2] == 2 and got[:2] == assign([[0.2, 0.1], [0.9, 0.9]], want_budget)
+    assert want_budget == 1 and got == [0, 1, 2]
+    spec.varlen = False
+    assert spec.planned_ahead_lengths(["a", "b"]) == [2, 2]
 
 
 def test_feed_placeholders_equals_the_token_buffers_fill():

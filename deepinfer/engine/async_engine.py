@@ -32,11 +32,11 @@ Compositions:
   so N+1 is planned with ``1 + k`` placeholders at optimistic positions and launched
   before N lands; the device gathers its ids and shifts its positions
   (deepinfer/spec/plan_ahead.py). Any other step first lands the step in flight
-  (``stats.speculative_syncs``): sampled or constrained requests, confidence-scheduled
-  verification (its budget needs the host's confidences), a queue of waiting requests.
-  The confidence-scheduled budget comes from the previous plan's confidences, split with the
-  newest (``SpecDecoder.attach``), in both loops: the rule DeepInfer's async scheduler
-  uses (REFERENCE.md sections 3 and 8), and the one that keeps verification lossless.
+  (``stats.speculative_syncs``): sampled or constrained requests, a queue of waiting
+  requests. The confidence-scheduled budget comes from the previous plan's confidences,
+  split with the newest the host has (``SpecDecoder.attach``; a plan made ahead:
+  ``SpecDecoder.planned_ahead_lengths``, one block older): the rule DeepInfer's async
+  scheduler uses (REFERENCE.md sections 3 and 8), and one that keeps verification lossless.
 * The GPU fast path reads decode input ids from the device batch (already gathered), so
   it composes as is. Data-parallel / expert-parallel ranks keep the synchronous loop
   (``EngineCore.async_fallback`` says why).

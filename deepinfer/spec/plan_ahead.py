@@ -7,7 +7,8 @@ So N+1 can be planned and launched while N still runs, as a plain decode step is
 
 * the scheduler's accounting is optimistic (`AsyncScheduler`: N counts ``1 + drafts``
   output placeholders and all its rows as computed), so N+1's plan feeds each request
-  ``1 + k`` placeholders at the position every accepted draft would give;
+  ``1 + n`` placeholders at the position every accepted draft would give (n = k, or under
+  confidence-scheduled verification the count `SpecDecoder.planned_ahead_lengths` gives);
 * on the device the placeholders are gathered and the positions shifted by
   ``accepted - drafts`` (`DeviceTokenBuffer.fill`, ``ForwardBatch.position_shift``); the
   verify graph and the drafter's passes run at the true positions;
@@ -54,11 +55,10 @@ class SpeculativePlanner:
 
     def mark(self, so: SchedulerOutput) -> None:
         """Before planning ahead of ``so``: its running requests' drafts are on the device."""
-        k = self.spec.k
-        for s in so.scheduled:
-            req = self.scheduler.requests.get(s.req_id)
-            if req is not None and req.status == RequestStatus.RUNNING:
-                req.draft_token_ids, req.draft_confidences = [PLACEHOLDER_TOKEN_ID] * k, []
+        running = [req for s in so.scheduled if (req := self.scheduler.requests.get(s.req_id)) is not None
+                   and req.status == RequestStatus.RUNNING]
+        for req, n in zip(running, self.spec.planned_ahead_lengths([r.req_id for r in running])):
+            req.draft_token_ids, req.draft_confidences = [PLACEHOLDER_TOKEN_ID] * n, []
         self.stats["planned_ahead"] += 1
 
     def device_step_ok(self, so: SchedulerOutput) -> bool:
@@ -69,7 +69,7 @@ class SpeculativePlanner:
         if not so.scheduled:
             return True
         # (bounded replay's cut is checked at host positions, which a shift lowers: not planned ahead)
-        if (runner.token_buffer is None or spec.varlen or spec.rule != "standard" or batch_invariant.enabled()
+        if (runner.token_buffer is None or spec.rule != "standard" or batch_invariant.enabled()
                 or runner.batch_invariant or (runner.replay is not None and runner.replay.active)):
             return False
         if not all(r.needs_sample and not r.is_new and r.num_tokens == r.num_draft_tokens + 1

@@ -231,6 +231,26 @@ class SpecDecoder:
             self.confidences[req.req_id] = req.draft_confidences
             self.probs[req.req_id] = d.probs
 
+    def planned_ahead_lengths(self, req_ids: list[str]) -> list[int]:
+        """Draft counts to verify for the requests of a step planned ahead (every one: k when
+        verification is not confidence-scheduled). That step's drafts are still being made
+        on the device, so the newest confidences the host has are those of the drafts the
+        step in flight verifies (``self.confidences``, one block older than the sync loop's
+        split): the budget comes from the plan before (``older_confidences``) and is split
+        with these. Lossless: every count is fixed before the drafts it covers exist."""
+        if not self.varlen:
+            return [self.k] * len(req_ids)
+        known = [rid for rid in req_ids if rid in self.confidences]
+        newest = [self.confidences[rid][:self.k] for rid in known]
+        if self.older_confidences is None or not known:  # no budget yet: verify every draft
+            split = [self.k] * len(known)
+        else:
+            split = split_budget(self.older_confidences, newest, self.curve)
+        if known:
+            self.older_confidences = newest
+        by_id = dict(zip(known, split))
+        return [by_id.get(rid, self.k) for rid in req_ids]
+
     # ---------------------------------------------------------------- device side
     @torch.no_grad()
     def execute(self, runner, so: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
@@ -288,7 +308,7 @@ class SpecDecoder:
             early = self.drafter.draft_after_verify(so, batch, streams, hidden, lane)
             if early is None and batch.planned_ahead:
                 raise RuntimeError("a speculative step planned ahead did not draft behind its verify graph")
-            if early is not None and runner.token_buffer is not None and not self.varlen:
+            if early is not None and runner.token_buffer is not None:
                 return self._launch_lane(runner, so, batch, lane, early, nd, picks)
             batch.materialize()  # the host paths below read the batch's device ids
             with phase(SAMPLE):
