@@ -84,3 +84,63 @@ def test_process_client_start_errors():
     with pytest.raises(ConfigError, match="max_num_seqs"):  # the child's own exception, not a traceback dump
         ProcessEngineClient({"max_num_seqs": 0}).start()
 
+
+
+def test_admission_in_the_server_process_equals_the_engines():
+    """`admit_locally` over the engine's `AdmissionView` (pickled, as the engine process sends
+    it, with the server's tokenizer) admits what the engine admits, with the same ids and
+    params; it leaves to the engine every request the engine would refuse (which words the
+    error), and structured output (the grammar compiles there)."""
+    import pickle
+
+    from deepinfer.engine.admission import admit_generate
+    from deepinfer.engine.admission_local import AdmissionView, admit_locally
+    from deepinfer.structured.spec import StructuredOutputSpec
+
+    llm = LLM(**ENGINE, num_kv_blocks=1)  # one 128-token block per group: a request past 128 tokens never fits
+    core = llm.engine
+    view = pickle.loads(pickle.dumps(AdmissionView.of(core)))
+    assert view.tokenizer is None and view.kv_fit == core.scheduler.kv.fit
+    assert admit_locally(view, "Once upon", None, [SamplingParams()]) is None  # no tokenizer yet: the engine's
+    view.tokenizer = llm.tokenizer
+    for prompt, ids, sp in [("The old man and", None, SamplingParams(max_tokens=8, seq_seed=3)),
+                            (None, [5, 6, 7, 300], SamplingParams(max_tokens=100, temperature=0.5, seq_seed=4))]:
+        kw = {"prompts": [prompt], "prompt_token_ids": None} if prompt else {"prompts": None, "prompt_token_ids": [ids]}
+        items, want = admit_generate(core, sampling_params=[sp], **kw)
+        got_ids, got = admit_locally(view, prompt, ids, [sp])
+        assert got_ids == items[0][1] and got == want
+    refused = [(None, [5, 10**9], SamplingParams()), (None, list(range(300)), SamplingParams()),
+               (None, [5, 6], SamplingParams(max_tokens=200)),  # more blocks than the cache has
+               (None, [], SamplingParams()), ("", None, SamplingParams())]
+    for prompt, ids, sp in refused:
+        kw = {"prompts": [prompt], "prompt_token_ids": None} if prompt is not None else {
+            "prompts": None, "prompt_token_ids": [ids]}
+        with pytest.raises(InvalidRequestError):
+            admit_generate(core, sampling_params=[sp], **kw)
+        assert admit_locally(view, prompt, ids, [sp]) is None
+    schema = SamplingParams(structured_output=StructuredOutputSpec(kind="json_object"))
+    assert admit_locally(view, None, [5, 6], [schema]) is None
+    assert admit_generate(core, sampling_params=[schema], prompts=None, prompt_token_ids=[[5, 6]])
+
+
+def test_process_client_admits_in_the_server_process():
+    """Plain requests are admitted without a round trip to the engine process; structured
+    output and a bad request still go there (the grammar compiled, the field named)."""
+    from deepinfer.structured.spec import StructuredOutputSpec
+
+    client = ProcessEngineClient(ENGINE, max_waiting=8)
+    client.start()
+    try:
+        async def run() -> tuple[int, str | None, list[int]]:
+            ids, checked = await client.admit("Once upon", None, [SamplingParams(max_tokens=4, ignore_eos=True)])
+            plain = [t for d in [d async for d in client.generate("plain", ids, checked[0])] for t in d.token_ids]
+            schema = SamplingParams(max_tokens=8, structured_output=StructuredOutputSpec(kind="json_object"))
+            await client.admit(None, [5, 6, 7], [schema])
+            with pytest.raises(InvalidRequestError) as bad:
+                await client.admit(None, list(range(5, 300)), [SamplingParams()])
+            return client.local_admits, bad.value.field, plain
+
+        local, field, plain = asyncio.run(asyncio.wait_for(run(), 120))
+    finally:
+        client.shutdown()
+    assert local == 1 and field == "max_model_len" and len(plain) == 4

@@ -43,11 +43,12 @@ import numpy as np
 import torch
 
 from deepinfer.engine.inputs import expand_sampling_params
+from deepinfer.engine.kv_cache_manager import KVFit
 from deepinfer.errors import InvalidRequestError
 from deepinfer.sampling_params import FLOAT32_MAX, SamplingParams
 from deepinfer.structured.spec import StructuredOutputSpec
 
-__all__ = ["admit_generate", "prompt_items", "token_id_lists", "check_sampling_values"]
+__all__ = ["admit_generate", "prompt_items", "token_id_lists", "check_sampling_values", "kv_fit_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ def _ids_of(seq: Any, where: str) -> list[int]:
     if isinstance(seq, (str, bytes, bytearray, Mapping)) or not isinstance(seq, Sequence):
         raise InvalidRequestError(f"{where} must be a list of int token ids, got {type(seq).__name__}",
                                   field="prompt_token_ids")
+    if all(type(t) is int for t in seq):  # the common case (JSON ids, lists): far cheaper than the checks below
+        return list(seq)
     out = []
     for j, t in enumerate(seq):
         if isinstance(t, (torch.Tensor, np.ndarray)) and t.ndim == 0:
@@ -200,10 +203,16 @@ def check_sampling_values(sp: SamplingParams, i: int, vocab_size: int) -> None:
 
 
 # ---- KV fit and context ------------------------------------------------------------------
+def kv_fit_of(engine: Any) -> KVFit:
+    """The KV cache admission checks against: an `AdmissionView`'s snapshot, else the engine's own."""
+    fit = getattr(engine, "kv_fit", None)
+    return fit if isinstance(fit, KVFit) else engine.scheduler.kv.fit
+
+
 def _check_fit(engine: Any, items: list[Prompt], params: list[SamplingParams]) -> None:
     cfg = engine.config
     limit = cfg.max_model_len
-    kv = engine.scheduler.kv
+    kv = kv_fit_of(engine)
     capped = []
     for i, ((_, ids), sp) in enumerate(zip(items, params)):
         n = len(ids)
@@ -219,7 +228,7 @@ def _check_fit(engine: Any, items: list[Prompt], params: list[SamplingParams]) -
                 f"prompt {i} may reach {total} tokens but chunked prefill is off and "
                 f"max_num_batched_tokens={cfg.max_num_batched_tokens}", field="max_num_batched_tokens")
         for group, need in kv.max_blocks_needed(total, cfg.max_num_batched_tokens).items():
-            have = kv.pools[group].num_blocks
+            have = kv.num_blocks[group]
             if need > have:
                 raise InvalidRequestError(
                     f"prompt {i} ({n} prompt + up to {total - n} new tokens) needs {need} KV blocks of "
@@ -237,6 +246,11 @@ def _check_grammars(engine: Any, params: list[SamplingParams]) -> None:
     """Compile every grammar of the call now (the engine's later compile reuses the result)
     and refuse one whose first step allows no token at all (an empty language)."""
     structured = engine.structured
+    if structured is None:  # an AdmissionView: the engine's own admission checks grammars
+        if any(sp.structured_output is not None for sp in params):
+            raise ValueError("structured output is admitted by the engine (it compiles the grammar), "
+                             "not through an AdmissionView")
+        return
     structured.check(params)
     futures = {i: structured.pool.submit(sp.structured_output) for i, sp in enumerate(params)
                if sp.structured_output is not None}

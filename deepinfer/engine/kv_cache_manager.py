@@ -40,6 +40,38 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(frozen=True)
+class KVFit:
+    """What admission reads of a KV cache: its groups, sizes and each pool's block count. A
+    picklable snapshot (the API process of `deepinfer serve` admits requests with it,
+    deepinfer/engine/admission_local.py); the manager answers through the same code."""
+
+    groups: tuple[KVCacheGroupSpec, ...]
+    block_size: int
+    window_slack: int
+    num_blocks: dict[str, int]
+
+    def max_blocks_needed(self, num_tokens: int, max_chunk: int) -> dict[str, int]:
+        """Peak blocks one request of ``num_tokens`` can hold per group.
+
+        A window group holds its window plus the current chunk; ``max_chunk``
+        is the largest chunk the scheduler may feed in one step.
+        """
+        return blocks_needed(self.groups, self.block_size, self.window_slack, num_tokens, max_chunk)
+
+
+def blocks_needed(groups, block_size: int, window_slack: int, num_tokens: int, max_chunk: int) -> dict[str, int]:
+    """`KVFit.max_blocks_needed` over plain values (the manager asks it on every schedule)."""
+    out = {}
+    for g in groups:
+        full = _cdiv(num_tokens, block_size)
+        if g.sliding_window is not None:
+            window = _cdiv(g.sliding_window - 1 + window_slack + min(max_chunk, num_tokens), block_size) + 1
+            full = min(full, window)
+        out[g.name] = full
+    return out
+
+
 class HybridKVCacheManager:
     """Block tables, prefix hits and state slots for all layer groups."""
 
@@ -260,21 +292,15 @@ class HybridKVCacheManager:
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 
-    def max_blocks_needed(self, num_tokens: int, max_chunk: int) -> dict[str, int]:
-        """Peak blocks one request of ``num_tokens`` can hold per group.
+    @property
+    def fit(self) -> KVFit:
+        """The admission view of this cache now (window_slack may grow at start-up)."""
+        return KVFit(tuple(self.groups), self.block_size, self.window_slack,
+                     {name: p.num_blocks for name, p in self.pools.items()})
 
-        A window group holds its window plus the current chunk; ``max_chunk``
-        is the largest chunk the scheduler may feed in one step.
-        """
-        out = {}
-        for g in self.groups:
-            full = _cdiv(num_tokens, self.block_size)
-            if g.sliding_window is not None:
-                window = _cdiv(g.sliding_window - 1 + self.window_slack + min(max_chunk, num_tokens),
-                               self.block_size) + 1
-                full = min(full, window)
-            out[g.name] = full
-        return out
+    def max_blocks_needed(self, num_tokens: int, max_chunk: int) -> dict[str, int]:
+        """Peak blocks one request of ``num_tokens`` can hold per group (`KVFit.max_blocks_needed`)."""
+        return blocks_needed(self.groups, self.block_size, self.window_slack, num_tokens, max_chunk)
 
     def assert_consistent(self) -> None:
         for pool in self.pools.values():

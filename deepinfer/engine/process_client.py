@@ -21,9 +21,11 @@ is off the engine's step (``LLM.generate`` decodes once, at the end). A request 
 strings keeps its text in the engine, which must see it to stop the request at once.
 
 Commands travel the other way on the same pipe: ``add``, ``abort`` (applied before the
-engine's next step, so KV blocks are freed within one step), ``admit`` (the admission
-checks, run on a worker thread of the engine process because they read its KV pools and
-compile grammars there) and ``stop``. The engine process exits when the pipe closes, so it
+engine's next step, so KV blocks are freed within one step), ``admit`` and ``stop``. The
+admission checks run here, against the engine's `AdmissionView` (its config and KV
+geometry, sent once at start-up: deepinfer/engine/admission_local.py); ``admit`` sends a
+request to the engine process's worker threads only when it needs them (structured
+output: the grammar compiles there) or the view refuses it (the engine words the error). The engine process exits when the pipe closes, so it
 never outlives the server.
 """
 
@@ -43,6 +45,7 @@ import traceback
 from typing import Any
 
 from deepinfer.detokenizer import IncrementalDetokenizer
+from deepinfer.engine.admission_local import AdmissionView, admit_locally
 from deepinfer.engine.client_base import EngineDeadError, EngineStats, StepHook, StreamingClient
 from deepinfer.engine.output_processor import StreamDelta
 from deepinfer.errors import DeepInferError, InvalidRequestError
@@ -79,6 +82,9 @@ class ProcessEngineClient(StreamingClient):
         self._stats = EngineStats()
         self._reader = threading.Thread(target=self._read, name="deepinfer-engine-reader", daemon=True)
         self.config = self.model_config = self.tokenizer = self.model_dir = None
+        #: the engine's admission checks, run here (deepinfer/engine/admission_local.py)
+        self.admission: AdmissionView | None = None
+        self.local_admits = 0  # requests admitted here, without a round trip to the engine process
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -103,6 +109,8 @@ class ProcessEngineClient(StreamingClient):
             raise EngineDeadError(f"the engine process failed to start:\n{text}")
         self.config, self.model_config, self.model_dir = info["config"], info["model_config"], info["model_dir"]
         self.tokenizer = load_tokenizer(info["tokenizer"])
+        self.admission = info["admission"]
+        self.admission.tokenizer = self.tokenizer
         self._reader.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -132,6 +140,13 @@ class ProcessEngineClient(StreamingClient):
 
     async def admit(self, prompt: str | None, ids: list[int] | None,
                     params: list[SamplingParams]) -> tuple[list[int], list[SamplingParams]]:
+        if self.admission is not None:  # checked here; ids inline, a text prompt's tokenizing off the loop
+            local = (admit_locally(self.admission, prompt, ids, params) if prompt is None else
+                     await asyncio.get_running_loop().run_in_executor(
+                         None, admit_locally, self.admission, prompt, ids, params))
+            if local is not None:
+                self.local_admits += 1
+                return local
         fut: concurrent.futures.Future = concurrent.futures.Future()
         tag = next(self._admit_ids)
         self._admits[tag] = fut
@@ -234,6 +249,7 @@ def _engine_main(conn: Any, engine_kwargs: dict[str, Any], switch_interval_s: fl
             conn.send(("error", (None, traceback.format_exc())))
         return
     conn.send(("ready", {"config": core.config, "model_config": core.model_config, "model_dir": str(core.model_dir),
+                         "admission": AdmissionView.of(core),
                          "tokenizer": str(core.config.tokenizer or core.model_dir)}))
     admitter = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="deepinfer-admit")
     # one sender thread pickles and writes: the step loop never waits on a full pipe
