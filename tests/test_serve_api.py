@@ -280,3 +280,7 @@ def test_arrival_schedules():
         assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(1 / math.sqrt(shape), rel=0.15)
     with pytest.raises(ValueError, match="request-rate"):
         BenchConfig("x", request_rate=0).check()
+    for url in ("http://127.0.0.1:8000/v1", "127.0.0.1:8000", "ftp://h:1"):  # aiohttp joins paths to the root
+        with pytest.raises(ValueError, match="base-url"):
+            BenchConfig(url).check()
+    BenchConfig("http://127.0.0.1:8000/").check()

@@ -28,6 +28,7 @@ import platform
 import random
 import subprocess
 import time
+import urllib.parse
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -66,6 +67,9 @@ class BenchConfig:
             raise ValueError(f"--request-rate must be > 0 or inf, got {self.request_rate}")
         if not self.burstiness > 0:
             raise ValueError(f"--burstiness must be > 0, got {self.burstiness}")
+        parts = urllib.parse.urlsplit(self.base_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc or parts.path not in ("", "/"):
+            raise ValueError(f"--base-url must be the server's root, e.g. http://127.0.0.1:8000, got {self.base_url!r}")
         if self.num_prompts < 1 or self.random_input_len < 1 or self.random_output_len < 1:
             raise ValueError("--num-prompts, --random-input-len and --random-output-len must be >= 1")
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -167,15 +171,15 @@ async def _one(http: Any, cfg: BenchConfig, model: str, prompt: Any, max_tokens:
     start = time.perf_counter()
     last = start
     try:
-        async with http.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+        async with http.post(url, json=body) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.read()).decode(errors='replace')[:200]}"
                 return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
+            async for raw in resp.content:  # one SSE line at a time
+                if not raw.startswith(b"data: "):
                     continue
-                data = line[6:]
-                if data == "[DONE]":
+                data = raw[6:].strip()
+                if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
                 if chunk.get("usage"):
@@ -198,14 +202,18 @@ async def _one(http: Any, cfg: BenchConfig, model: str, prompt: Any, max_tokens:
 
 async def run_bench(cfg: BenchConfig) -> tuple[list[RequestResult], float, dict[str, Any]]:
     """Run the schedule; (per-request results, wall seconds, server info)."""
-    import httpx
+    # aiohttp, not httpx: the client must not be what a run measures, and httpx's streaming
+    # costs ~6x aiohttp's CPU per SSE event (profiling/serve_host_cost.py), more than the server's
+    import aiohttp
 
     cfg.check()
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=cfg.timeout_s,
-                                 limits=limits) as http:
-        models = (await http.get("/v1/models")).json()["data"]
+    async with aiohttp.ClientSession(cfg.base_url.rstrip("/"), headers=headers,
+                                     connector=aiohttp.TCPConnector(limit=0),  # no connection cap
+                                     timeout=aiohttp.ClientTimeout(sock_connect=cfg.timeout_s,
+                                                                   sock_read=cfg.timeout_s)) as http:
+        async with http.get("/v1/models") as r:
+            models = (await r.json())["data"]
         model = cfg.model or models[0]["id"]
         vocab = int(models[0].get("vocab_size", 129_280))  # deepinfer lists it; others: the V4 vocabulary
         reqs = build_requests(cfg, vocab)
