@@ -52,6 +52,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import httpx  # noqa: E402
+import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
@@ -161,7 +162,17 @@ def start_server(ckpt: str, engine: dict, port: int, client: str) -> subprocess.
     raise RuntimeError(f"the server exited with {proc.wait()}:\n" + "".join(seen))
 
 
-async def served(url: str, args: argparse.Namespace, vocab: int) -> dict:
+def host_cpu_s(server_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the API server's process, its engine process (the
+    child that has run the most) and this process (the benchmark client)."""
+    api = psutil.Process(server_pid)
+    own = lambda p: p.cpu_times().user + p.cpu_times().system  # noqa: E731
+    children = api.children(recursive=True)
+    return {"api_server": own(api), "engine_process": max(map(own, children)) if children else 0.0,
+            "bench_client": time.process_time()}
+
+
+async def served(url: str, args: argparse.Namespace, vocab: int, server_pid: int) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         greedy = []
         for p in prompts_for(4, 32, vocab, 1):
@@ -172,14 +183,18 @@ async def served(url: str, args: argparse.Namespace, vocab: int) -> dict:
     warm = BenchConfig(num_prompts=args.batch, max_concurrency=args.batch, seed=2, **base)
     await run_bench(warm)
     sat = BenchConfig(num_prompts=args.waves * args.batch, max_concurrency=args.batch, seed=3, **base)
-    before = await server_counters(url)
+    before, cpu0 = await server_counters(url), host_cpu_s(server_pid)
     res, wall, _ = await run_bench(sat)
-    after = await server_counters(url)
+    cpu1, after = host_cpu_s(server_pid), await server_counters(url)
+    tokens = sum(r.output_tokens for r in res if r.ok)
+    # whether a host process, not the engine, bounds the run: ~1 CPU-second per second is a full core
+    host = {name: {"cpu_s_per_s": (cpu1[name] - cpu0[name]) / wall,
+                   "cpu_us_per_token": 1e6 * (cpu1[name] - cpu0[name]) / max(1, tokens)} for name in cpu0}
     burst = BenchConfig(num_prompts=args.batch, max_concurrency=args.batch, seed=4, **base)
     bres, bwall, _ = await run_bench(burst)
     steps, busy = after[STEPS] - before[STEPS], after[BUSY] - before[BUSY]
     engine = {"steps": steps, "mean_step_ms": 1000 * busy / steps if steps else None,
-              "duty_cycle": busy / wall if wall else None}
+              "duty_cycle": busy / wall if wall else None, "host_cpu": host}
     low = BenchConfig(num_prompts=args.low_load_repeats, max_concurrency=1, seed=100, **base)
     before = await server_counters(url)
     lres, lwall, _ = await run_bench(low)
@@ -242,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
     for client in args.clients:
         proc = start_server(ckpt, engine, port := free_port(), client)
         try:
-            servers[client] = asyncio.run(served(f"http://127.0.0.1:{port}", args, vocab))
+            servers[client] = asyncio.run(served(f"http://127.0.0.1:{port}", args, vocab, proc.pid))
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -283,6 +298,10 @@ def main(argv: list[str] | None = None) -> dict:
               f"{e['mean_step_ms'] or 0:>8.3f} "
               f"{e['duty_cycle'] or 0:>5.2f} {low['ttft_ms']['p50']:>11.2f} "
               f"{low['server_side']['ttft_ms_mean']:>11.2f} {low['tpot_ms']['p50']:>11.3f}")
+    for client, srv in servers.items():
+        cpu = srv["saturation"]["engine"]["host_cpu"]
+        print(f"server/{client} at saturation, CPU s per s (us per token): " + ", ".join(
+            f"{k} {v['cpu_s_per_s']:.2f} ({v['cpu_us_per_token']:.0f})" for k, v in cpu.items()))
     for t in targets:
         print(f"{'ok ' if t['met'] else 'MISS'} {t['name']}: {t['value']} (target {t['target']})")
     print(path)

@@ -32,6 +32,11 @@ def test_serve_h200_tiny(tmp_path, capsys):
         assert saved["compared"][client]["burst_ratio"] > 0
         engine = sat["engine"]
         assert engine["steps"] >= 4 and engine["mean_step_ms"] > 0 and 0 < engine["duty_cycle"] <= 1.05
+        cpu = engine["host_cpu"]  # each host process's CPU over the run: is one of them the bottleneck?
+        assert set(cpu) == {"api_server", "engine_process", "bench_client"}
+        assert cpu["api_server"]["cpu_us_per_token"] > 0 and cpu["bench_client"]["cpu_s_per_s"] > 0
+        if client == "process":  # the thread client's engine runs in the server's process
+            assert cpu["engine_process"]["cpu_us_per_token"] > 0
         inside = srv["low_load"]["server_side"]  # the server's own TTFT is part of what the client saw
         assert 0 < inside["ttft_ms_mean"] <= srv["low_load"]["ttft_ms"]["mean"] and inside["tpot_ms_mean"] > 0
     assert saved["offline"]["mean_step_ms"] > 0 and saved["commit"] and saved["hardware"] == "cpu"
