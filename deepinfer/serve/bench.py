@@ -10,8 +10,9 @@ shape 1 is Poisson, < 1 burstier) with mean 1 / rate, and a request is sent at i
 whether or not earlier ones finished; ``--request-rate inf`` sends all at once.
 ``--max-concurrency`` caps requests in flight (a late send waits for a slot, as
 `vllm bench serve` does). Every request streams (``stream_options.include_usage``) so
-the client measures TTFT (first token chunk), ITL (gaps between chunks, spread over the
-tokens a chunk carried), TPOT ((e2e - TTFT) / (output tokens - 1)) and e2e itself.
+the client measures TTFT (first token chunk), ITL (gaps between chunks: a chunk that
+carries several tokens, as the server's merged deltas do under load, counts once), TPOT
+((e2e - TTFT) / (output tokens - 1)) and e2e itself.
 
 Goodput = requests per second that met every SLO given (TTFT, TPOT, e2e). The JSON
 result carries the commit, the hardware and the full config beside every number.
