@@ -149,6 +149,15 @@ def test_planned_ahead_drafts_equal_the_synchronous_loops(monkeypatch):
 DSPARK = "deepinfer-tiny-dspark"
 
 
+def _no_speculation(prompts, params) -> list[list[int]]:
+    """The DSpark model's tokens without speculation, synchronous loop."""
+    mp = pytest.MonkeyPatch()
+    try:
+        return _tokens(_llm(mp, 0, async_scheduling=False, model=DSPARK, max_model_len=512), prompts, params)
+    finally:
+        mp.undo()
+
+
 def test_dspark_planned_ahead_steps_give_the_tokens_of_no_speculation(monkeypatch):
     """DSpark k = 5 (the trained drafter): its feature writes and block pass behind the verify
     graph read positions and pool rows shifted on the device, for prompts that also cross
@@ -156,11 +165,7 @@ def test_dspark_planned_ahead_steps_give_the_tokens_of_no_speculation(monkeypatc
     rng = random.Random(5)
     prompts = [[rng.randrange(8192) for _ in range(n)] for n in (12, 40, 250, 372)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    mp = pytest.MonkeyPatch()
-    try:
-        want = _tokens(_llm(mp, 0, async_scheduling=False, model=DSPARK, max_model_len=512), prompts, params)
-    finally:
-        mp.undo()
+    want = _no_speculation(prompts, params)
     llm = _llm(monkeypatch, 5, model=DSPARK, max_model_len=512, max_num_seqs=8)
     assert _tokens(llm, prompts, params) == want
     planner = llm.async_loop.planner
@@ -189,11 +194,7 @@ def test_dspark_scheduled_verification_is_planned_ahead(monkeypatch):
     rng = random.Random(7)
     prompts = [[rng.randrange(8192) for _ in range(n)] for n in (12, 40, 96, 250, 300, 372)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    mp = pytest.MonkeyPatch()
-    try:
-        want = _tokens(_llm(mp, 0, async_scheduling=False, model=DSPARK, max_model_len=512), prompts, params)
-    finally:
-        mp.undo()
+    want = _no_speculation(prompts, params)
     llm = _llm(monkeypatch, 5, model=DSPARK, max_model_len=512, max_num_seqs=8, enable_mtp_varlen=True)
     spec = llm.runner.spec
     spec.curve = StepTimeCurve([1, 8, 16, 24, 32, 48], [1.0, 1.0, 1.6, 2.4, 3.2, 4.8])  # rows past 8 cost
