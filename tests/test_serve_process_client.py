@@ -144,3 +144,18 @@ def test_process_client_admits_in_the_server_process():
     finally:
         client.shutdown()
     assert local == 1 and field == "max_model_len" and len(plain) == 4
+
+
+def test_stream_deltas_cross_the_pipe_whole():
+    """A step's deltas pickle as field tuples (the engine process's message per step): every
+    field survives, the final delta's RequestOutput included."""
+    import pickle
+
+    from deepinfer.engine.output_processor import StreamDelta
+
+    llm = LLM(**ENGINE)
+    out = llm.generate(["Once upon"], SamplingParams(max_tokens=3, top_logprobs=2, seq_seed=1), use_tqdm=False)[0]
+    deltas = [StreamDelta("r-0", "", [5, 6], [-0.5, -1.25], [[(5, -0.5), (7, -2.0)], [(6, -1.25)]]),
+              StreamDelta("r-1", "a b", [9], None, None, "stop", " the", out)]
+    back = pickle.loads(pickle.dumps(deltas, protocol=pickle.HIGHEST_PROTOCOL))
+    assert back == deltas and back[1].output.token_ids == out.token_ids and back[1].finished

@@ -44,6 +44,12 @@ class StreamDelta:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def __reduce__(self) -> tuple:
+        # pickled as its fields' tuple: a served engine sends one delta per stream per step to the
+        # API process, and the default (a dict of attributes per object) costs ~2x to pickle and unpickle
+        return (StreamDelta, (self.request_id, self.text, self.token_ids, self.logprobs, self.top_logprobs,
+                              self.finish_reason, self.stop_reason, self.output))
+
 
 @dataclass
 class _State:
@@ -102,12 +108,12 @@ class OutputProcessor:
 
     def _delta(self, st: _State, text: str) -> StreamDelta:
         req, start = st.req, st.sent_tokens
-        new = req.output_token_ids[start:]
+        new = req.output_token_ids[start:]  # slices: already copies
         st.sent_tokens = len(req.output_token_ids)
-        sp = req.sampling_params
-        lps = list(req.output_logprobs[start:]) if req.output_logprobs else None
-        tops = list(req.output_top_logprobs[start:]) if sp.top_logprobs and req.output_top_logprobs else None
-        delta = StreamDelta(req.req_id, text, list(new), lps, tops)
+        lps = req.output_logprobs[start:] if req.output_logprobs else None
+        tops = (req.output_top_logprobs[start:] if req.output_top_logprobs and req.sampling_params.top_logprobs
+                else None)
+        delta = StreamDelta(req.req_id, text, new, lps, tops)
         if req.is_finished:
             if st.stream_text:
                 if not st.detok.finished:
