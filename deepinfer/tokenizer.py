@@ -175,6 +175,11 @@ class Tokenizer:
         Chat-structure tokens such as ``<｜User｜>`` or ``<think>`` are *not*
         special in the V4 vocabulary and are always kept.
         """
+        if type(ids) is list:  # the streaming detokenizer's hot path: ints already (two decodes per stream per step)
+            try:
+                return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+            except TypeError:  # numpy / torch integers inside the list
+                pass
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def batch_decode(self, batch: Iterable[Iterable[int]], skip_special_tokens: bool = True) -> list[str]:

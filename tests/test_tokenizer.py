@@ -97,6 +97,9 @@ def test_decode_accepts_numpy_ids(tok):
     np = pytest.importorskip("numpy")
     ids = tok.encode("numpy ids 中文")
     assert tok.decode(np.array(ids, dtype=np.int64)) == "numpy ids 中文"
+    # a list of numpy / torch integers (the plain-int list fast path must not refuse them)
+    torch = pytest.importorskip("torch")
+    assert tok.decode([np.int64(i) for i in ids]) == tok.decode([torch.tensor(i) for i in ids]) == "numpy ids 中文"
     assert tok.convert_ids_to_tokens(np.int64(0)) == tok.bos_token
 
 
