@@ -62,7 +62,14 @@ def test_completions_equal_generate(client, llm):
     assert all(len(t) == 2 for t in choice.logprobs.top_logprobs)
 
 
-def test_chat_stream_equals_nonstream_with_usage(client):
+def _generation_tokens(base_url: str) -> float:
+    page = httpx.get(base_url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+               if line.startswith("deepinfer:generation_tokens_total"))
+
+
+def test_chat_stream_equals_nonstream_with_usage(client, base_url):
+    before = _generation_tokens(base_url)
     kw = dict(model="deepinfer-tiny", messages=[{"role": "user", "content": "Say hello"}], max_tokens=10,
               temperature=0, extra_body={"thinking": {"type": "disabled"}})
     full = client.chat.completions.create(**kw)
@@ -72,6 +79,7 @@ def test_chat_stream_equals_nonstream_with_usage(client):
     assert text == full.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert _generation_tokens(base_url) - before == 20  # /metrics counts every output token once
 
 
 def test_chat_thinking_and_n(client):

@@ -71,10 +71,10 @@ class ServeMetrics:
         if step_s > 0:
             self.steps.inc()
             self.step_seconds.inc(step_s)
+        tokens = 0
         for d in deltas:
             t = timings.get(d.request_id)
-            if d.token_ids:
-                self.generation_tokens.inc(len(d.token_ids))
+            tokens += len(d.token_ids)
             if t is not None and d.token_ids:
                 if t.num_output_tokens == len(d.token_ids) and t.first_token is not None:
                     self.ttft.observe(t.first_token - t.submitted)
@@ -94,6 +94,8 @@ class ServeMetrics:
                     self.e2e.observe(t.last_token - t.submitted)
                     if t.num_output_tokens > 1 and t.first_token is not None:
                         self.tpot.observe((t.last_token - t.first_token) / (t.num_output_tokens - 1))
+        if tokens:  # one increment per engine turn, not per stream (each takes the metric's lock)
+            self.generation_tokens.inc(tokens)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
