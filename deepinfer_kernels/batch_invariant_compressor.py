@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, cos_sin, dtype_code, interpreting, next_pow2, round_to
+from ._common import check_device, dtype_code, interpreting, next_pow2, pooled_entry, round_to
 
 __all__ = ["pool_windows", "pool_windows_ref"]
 
@@ -74,20 +74,7 @@ def _pool_kernel(src_ptr, idx_ptr, wpos_ptr, dest_ptr, ent_ptr, norm_w_ptr, freq
             kv = tl.load(base, mask=ok[:, None], other=0.0)
             a = round_to(tl.exp(sc - mx[None, :]) / den[None, :], CODE, INTERP)
             acc += tl.sum(round_to(round_to(kv, CODE, INTERP) * a, CODE, INTERP), axis=0)
-        pooled = round_to(acc, CODE, INTERP)
-        inv = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(pooled * pooled, axis=0) / D + eps))
-        y = round_to(round_to(pooled * inv, CODE, INTERP) * tl.load(norm_w_ptr + d), CODE, INTERP)
-        even, odd = tl.split(tl.reshape(y, [D // 2, 2]))
-        pair = tl.arange(0, D // 2) - (D // 2 - ROPE_HALF)
-        is_rope = pair >= 0
-        ang = tl.load(wpos_ptr + w).to(tl.float32) * tl.load(freq_ptr + tl.where(is_rope, pair, 0), mask=is_rope,
-                                                             other=0.0)
-        cos, sin = cos_sin(ang, INTERP)
-        c = round_to(cos, CODE, INTERP)
-        s = round_to(sin, CODE, INTERP)
-        new_even = tl.where(is_rope, round_to(even * c - odd * s, CODE, INTERP), even)
-        new_odd = tl.where(is_rope, round_to(odd * c + even * s, CODE, INTERP), odd)
-        y = tl.reshape(tl.join(new_even, new_odd), [D])
+        y = pooled_entry(acc, tl.load(wpos_ptr + w), norm_w_ptr, freq_ptr, eps, D, ROPE_HALF, CODE, INTERP)
         tl.store(ent_ptr + dst * D + d, y.to(ent_ptr.dtype.element_ty))
 
 

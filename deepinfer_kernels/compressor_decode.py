@@ -24,29 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, cos_sin, dtype_code, interpreting, next_pow2, round_to
-
-
-@triton.jit
-def pooled_entry(acc, wpos, norm_w_ptr, freq_ptr, eps, D: tl.constexpr, ROPE_HALF: tl.constexpr,
-                 CODE: tl.constexpr, INTERP: tl.constexpr):
-    """A closing window's entry [D] from its float32 weighted sum ``acc``: rounded once,
-    RMSNorm, then interleaved RoPE of the trailing 2 * ROPE_HALF channels at the window's
-    first position ``wpos`` (cos/sin rounded through the activation dtype)."""
-    d = tl.arange(0, D)
-    pooled = round_to(acc, CODE, INTERP)
-    inv = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(pooled * pooled, axis=0) / D + eps))
-    y = round_to(round_to(pooled * inv, CODE, INTERP) * tl.load(norm_w_ptr + d), CODE, INTERP)
-    even, odd = tl.split(tl.reshape(y, [D // 2, 2]))
-    pair = tl.arange(0, D // 2) - (D // 2 - ROPE_HALF)
-    is_rope = pair >= 0
-    ang = wpos.to(tl.float32) * tl.load(freq_ptr + tl.where(is_rope, pair, 0), mask=is_rope, other=0.0)
-    cos, sin = cos_sin(ang, INTERP)
-    c = round_to(cos, CODE, INTERP)
-    s = round_to(sin, CODE, INTERP)
-    new_even = tl.where(is_rope, round_to(even * c - odd * s, CODE, INTERP), even)
-    new_odd = tl.where(is_rope, round_to(odd * c + even * s, CODE, INTERP), odd)
-    return tl.reshape(tl.join(new_even, new_odd), [D])
+from ._common import check_device, dtype_code, interpreting, next_pow2, pooled_entry, round_to
 
 
 @triton.jit

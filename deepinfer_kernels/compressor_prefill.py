@@ -29,8 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, dtype_code, interpreting, next_pow2, round_to
-from .compressor_decode import pooled_entry
+from ._common import check_device, dtype_code, interpreting, next_pow2, pooled_entry, round_to
 
 
 @triton.jit
