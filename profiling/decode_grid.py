@@ -93,7 +93,8 @@ class Probe:
         out = {"gc_ms": round(self.gc_s * 1e3, 3), "compiles": len(self.compiles),
                "compiled": sorted(set(self.compiles))[:12], "steps": steps,
                "alloc_retries": self.alloc.get("num_alloc_retries"), "device_mallocs": self.alloc.get("num_device_alloc"),
-               "device_frees": self.alloc.get("num_device_free"), "graph_keys": [list(k) for k, _ in
+               "device_frees": self.alloc.get("num_device_free"), "pinned_allocs": self.alloc.get("num_host_alloc"),
+               "staging_blocks": self.alloc.get("staging_blocks"), "graph_keys": [list(k) for k, _ in
                                                                                self.replays.most_common(2)]}
         out.update(_gpu_state())
         if steps:
@@ -118,10 +119,18 @@ def _gpu_state() -> dict:
 
 
 def _alloc_counters() -> dict:
+    """Device allocator counters, pinned host allocations (torch's caching host allocator, and
+    our staging rings' own blocks) so far; empty off CUDA."""
     if not torch.cuda.is_available():
         return {}
+    from deepinfer.engine.transfer import PinnedRing
+
     stats = torch.cuda.memory_stats()
-    return {k: int(stats.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+    out = {k: int(stats.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+    host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    out["num_host_alloc"] = int(host.get("num_host_alloc", 0))
+    out["staging_blocks"] = PinnedRing.allocations
+    return out
 
 
 def _set_compile_hook(record, restore: bool = False):

@@ -72,3 +72,20 @@ def test_host_to_device_copies_per_step(monkeypatch) -> None:
     decode_steps = int((steps["prefill_tokens"] == 0).sum())
     assert decode_steps >= 10
     assert len(calls) <= 3 * len(steps), (len(calls), len(steps))
+
+
+def test_reserved_ring_allocates_nothing_while_serving() -> None:
+    """After `reserve` (the engine's warm-up) every slot is ready: steps up to that size take
+    blocks without allocating (a pinned allocation per step made the first generate after
+    start slower than the next); a larger copy still grows its slot, after waiting for it."""
+    ring = PinnedRing(slots=4, pin=False)
+    ring.reserve(8192)
+    before = PinnedRing.allocations
+    taken = {id(ring.stage(n)[1]) for n in (100, 8192, 4096, 1, 7000, 2)}
+    assert PinnedRing.allocations == before and len(taken) == 4  # the 4 reserved blocks, reused
+    event = FakeEvent()
+    ring.copied(2, event)  # the next slot handed out is 2
+    slot, block = ring.stage(9000)
+    assert slot == 2 and block.numel() >= 9000 and event.waited and PinnedRing.allocations == before + 1
+    ring.reserve(4096)  # already large enough: nothing allocated
+    assert PinnedRing.allocations == before + 1

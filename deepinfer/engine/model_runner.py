@@ -23,7 +23,7 @@ import torch
 from deepinfer import batch_invariant as bi  # (the runner's ``batch_invariant`` is its flag)
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.sampler import Sampler, SamplingTensors, unpack_greedy
-from deepinfer.engine.transfer import HostResult, ResultCopier, to_device
+from deepinfer.engine.transfer import HostResult, ResultCopier, reserve_staging, to_device
 from deepinfer.models.bounded_replay import replay_free
 from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
 from deepinfer.models.registry import family_of
@@ -234,6 +234,7 @@ class ModelRunner:
         first (compiles its kernels too); returns how many shapes ran (0 off the fast path)."""
         if self.fast is None:
             return 0
+        reserve_staging(self.copier)  # no pinned allocation in the first steps served
         with torch.no_grad(), bi.batch_invariant_mode(self.batch_invariant):  # the graphs' mode
             if self.spec is not None:  # speculative steps: the verify graphs instead
                 return self.spec.warmup(self, max_num_seqs, max_model_len, block_size)

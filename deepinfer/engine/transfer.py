@@ -40,10 +40,27 @@ class PinnedRing:
     reused ``slots`` takes later, after the event of the copy that last used it (normally
     long done; waited on otherwise, so a block is never overwritten under a pending copy)."""
 
+    #: blocks allocated by every ring so far (a pinned allocation costs host time: the first
+    #: generate after start paid one per ring per step until :meth:`reserve` ran at warm-up)
+    allocations = 0
+
     def __init__(self, slots: int = 32, pin: bool = True) -> None:
         self._blocks: list[torch.Tensor | None] = [None] * slots
         self._events: list[torch.cuda.Event | None] = [None] * slots
         self._next, self._pin = 0, pin
+
+    def reserve(self, nbytes: int) -> None:
+        """Give every slot a block of at least ``nbytes`` now (engine warm-up), so that steps
+        up to that size never allocate pinned memory while serving."""
+        for i, block in enumerate(self._blocks):
+            if block is None or block.numel() < nbytes:
+                if self._events[i] is not None:
+                    self._events[i].synchronize()
+                self._blocks[i] = self._allocate(nbytes)
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        PinnedRing.allocations += 1
+        return torch.empty(max(4096, 1 << (max(nbytes, 1) - 1).bit_length()), dtype=torch.uint8, pin_memory=self._pin)
 
     def stage(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """(slot, a pinned uint8 block of at least ``nbytes``) whose previous copy has run."""
@@ -54,8 +71,7 @@ class PinnedRing:
             event.synchronize()
         block = self._blocks[i]
         if block is None or block.numel() < nbytes:
-            block = self._blocks[i] = torch.empty(max(4096, 1 << (max(nbytes, 1) - 1).bit_length()),
-                                                  dtype=torch.uint8, pin_memory=self._pin)
+            block = self._blocks[i] = self._allocate(nbytes)
         return i, block
 
     def copied(self, slot: int, event: torch.cuda.Event) -> None:
@@ -64,6 +80,20 @@ class PinnedRing:
 
 
 _H2D = PinnedRing()
+
+#: what `reserve_staging` gives each slot: step inputs (ids, positions, slots, block tables of a
+#: few hundred rows) and step results (tokens, log-probs); larger copies still grow a slot
+STAGING_INPUT_BYTES = 256 * 1024
+STAGING_RESULT_BYTES = 64 * 1024
+
+
+def reserve_staging(copier: "ResultCopier") -> None:
+    """Allocate the pinned staging blocks of step inputs and of ``copier``'s results up front
+    (CUDA only: elsewhere nothing is pinned)."""
+    if copier.stream is None:
+        return
+    _H2D.reserve(STAGING_INPUT_BYTES)
+    copier.reserve(STAGING_RESULT_BYTES)
 
 
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
@@ -119,6 +149,10 @@ class ResultCopier:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._ring = PinnedRing()
+
+    def reserve(self, nbytes: int) -> None:
+        """Every staging block of this copier at least ``nbytes`` (see `PinnedRing.reserve`)."""
+        self._ring.reserve(nbytes)
 
     def start(self, tensors: Sequence[torch.Tensor], in_order: bool = False) -> HostResult:
         """Start copying ``tensors`` (produced on the current stream) to the host: one
