@@ -273,6 +273,21 @@ def test_bench_serve_against_the_server(base_url, tmp_path):
     assert rec["config"]["api_key"] == "<set>"
 
 
+def test_bench_serve_chat_endpoint(base_url):
+    """The benchmark client on /v1/chat/completions (streamed chat chunks, usage last): every
+    request completes with its exact output length and a TTFT, and one ITL per later chunk."""
+    import asyncio
+
+    from deepinfer.serve.bench import BenchConfig, run_bench, summarize
+
+    cfg = BenchConfig(base_url, endpoint="chat", num_prompts=4, random_input_len=8, random_output_len=6,
+                      max_concurrency=2, api_key=KEY)
+    results, wall, _ = asyncio.run(run_bench(cfg))
+    rec = summarize(cfg, results, wall)
+    assert rec["completed"] == 4 and rec["failed"] == 0 and rec["total_output_tokens"] == 24
+    assert all(r.ttft is not None and 1 <= len(r.itls) <= 5 for r in results), [(r.ttft, r.itls) for r in results]
+
+
 def test_arrival_schedules():
     import math
     import statistics

@@ -186,8 +186,8 @@ async def _one(http: Any, cfg: BenchConfig, model: str, prompt: Any, max_tokens:
                 if chunk.get("usage"):
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     res.output_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices"):
-                    continue
+                if not any(_carries_output(c) for c in chunk.get("choices") or ()):
+                    continue  # the usage chunk, chat's role-only first chunk, a finish-only last chunk
                 now = time.perf_counter()
                 if res.ttft is None:
                     res.ttft = now - start
@@ -199,6 +199,15 @@ async def _one(http: Any, cfg: BenchConfig, model: str, prompt: Any, max_tokens:
     except Exception as exc:  # noqa: BLE001 - recorded per request, the run goes on
         res.error = f"{type(exc).__name__}: {exc}"
     return res
+
+
+def _carries_output(choice: dict[str, Any]) -> bool:
+    """Whether a streamed choice brings generated output: completion text, or a chat delta's
+    content, reasoning or tool calls (TTFT and ITL count these chunks only, as vLLM's client does)."""
+    if choice.get("text"):
+        return True
+    delta = choice.get("delta") or {}
+    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
 
 
 async def run_bench(cfg: BenchConfig) -> tuple[list[RequestResult], float, dict[str, Any]]:
