@@ -30,3 +30,13 @@ def test_calibrated_confidences_have_small_error_and_overconfident_ones_do_not()
         bad.record_confidences([[min(1.0, 1.3 * x) for x in p]], [accepted])
     assert all(c["ece"] < 0.02 for c in good.calibration())
     assert all(c["ece"] > 0.05 for c in bad.calibration()[1:])
+
+
+def test_invalid_confidences_are_counted_not_binned():
+    """A NaN or out-of-range confidence (a drafter that read garbage) ends its prefix in the
+    calibration bins and is counted; the step's metrics never raise (seen once in CI: an MTP
+    k=3 draft's later confidences were NaN and the metrics crashed the engine's step)."""
+    m = SpecMetrics()
+    m.record_confidences([[0.9, float("nan"), 0.5], [0.8, 0.7], [1.5]], [1, 2, 0])
+    assert m.invalid_confidences == 2 + 1
+    assert sum(c[0] for c in m.calibration_bins[0]) == 2 and sum(c[0] for c in m.calibration_bins[1]) == 1

@@ -20,6 +20,9 @@ class SpecMetrics:
     # product c_1 * ... * c_j (the scheduler's survival estimate) with [count, sum of the
     # estimates, prefixes that survived verification].
     calibration_bins: list[list[list[float]]] = field(default_factory=list)
+    #: confidences that were not finite numbers in [0, 1] (left out of the bins, with the rest of
+    #: their prefix): a drafter fed garbage, which must not take the engine's step down with it
+    invalid_confidences: int = 0
 
     def record(self, num_drafts: list[int], num_accepted: list[int]) -> None:
         if not num_drafts:
@@ -44,6 +47,9 @@ class SpecMetrics:
         for conf, a in zip(confidences, num_accepted):
             cum = 1.0
             for j, c in enumerate(conf):
+                if not 0.0 <= c <= 1.0:  # NaN included
+                    self.invalid_confidences += len(conf) - j
+                    break
                 while len(self.calibration_bins) <= j:
                     self.calibration_bins.append([[0.0, 0.0, 0.0] for _ in range(bins)])
                 cum *= c
