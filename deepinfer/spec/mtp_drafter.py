@@ -201,11 +201,14 @@ class MTPDrafter(Drafter):
         """The catch-up rows (first position, rows, block table, state slot) per request of
         :meth:`draft_after_verify`, or None when it cannot draft behind ``so``'s verify graph
         (positions are the plan's: a step planned ahead has its true ones at or below them)."""
-        memo = getattr(self, "_rows_memo", None)  # the planner asks first, then the step itself
-        if memo is not None and memo[0] is so and memo[1] == len(so.scheduled):
+        # the planner asks first, then the step itself; keyed by the rows too: a plan that lands
+        # first (`SpeculativePlanner.resolve`) gets its true start positions in place
+        key = tuple((r.start_pos, r.num_tokens) for r in so.scheduled)
+        memo = getattr(self, "_rows_memo", None)
+        if memo is not None and memo[0] is so and memo[1] == key:
             return memo[2]
         rows = self._find_after_verify_rows(so)
-        self._rows_memo = (so, len(so.scheduled), rows)
+        self._rows_memo = (so, key, rows)
         return rows
 
     def _find_after_verify_rows(self, so) -> list[tuple[int, int, dict, int]] | None:
