@@ -25,7 +25,6 @@ torchrun: each process calls :func:`rank_llm_from_torchrun` and then
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import os
 import signal
@@ -126,20 +125,11 @@ def rank_llm_from_torchrun(model: str | None = None, tokenizer: str | None = Non
     accelerator = str(kwargs.get("accelerator") or envs.DEEPINFER_ACCELERATOR)
     accelerator = detect_accelerator() if accelerator == "auto" else accelerator
     comm = init_distributed(rank, world, None, accelerator, dist_timeout_s(), int(os.environ.get("LOCAL_RANK", rank)))
-    # the caller's script just ends: tear the group down before the interpreter does (a gloo
-    # thread still running at exit can abort the process: "terminate called without an active
-    # exception", seen on a loaded CI box); the spawned workers do this in their own loop
-    atexit.register(_destroy_process_group)
     kw, eplb, placement = split_kwargs(kwargs)
     kw.setdefault("data_parallel_size", world)
     kw.setdefault("expert_parallel_size", world)
     return RankLLM(model, tokenizer, comm=comm, expert_parallel=kw["expert_parallel_size"] > 1, eplb=eplb,
                    placement=placement, **kw)
-
-
-def _destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @dataclass
