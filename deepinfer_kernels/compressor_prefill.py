@@ -60,6 +60,17 @@ def _source_rows(codes, col, kv_ptr, sc_ptr, ape_ptr, pos_ptr, ring_ptr, tail_pt
     return round_to(kv, CODE, INTERP), sc
 
 
+@triton.jit
+def _window_rows(win_src_ptr, i, k, kv_ptr, sc_ptr, ape_ptr, pos_ptr, ring_ptr, tail_ptr, stride_kv, stride_sc, n_ring,
+                 RATIO: tl.constexpr, NWIN: tl.constexpr, OWN: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
+                 CODE: tl.constexpr, INTERP: tl.constexpr):
+    """Rows ``k`` [BLOCK] of window ``i``: the previous window's first halves, then (the last
+    RATIO) its own rows at column OWN; each of the kernel's three passes reads them again."""
+    codes = tl.load(win_src_ptr + i * NWIN + k, mask=k < NWIN, other=-1)
+    return _source_rows(codes, tl.where(k >= NWIN - RATIO, OWN, 0), kv_ptr, sc_ptr, ape_ptr, pos_ptr, ring_ptr,
+                        tail_ptr, stride_kv, stride_sc, n_ring, RATIO, D, C, CODE, INTERP)
+
+
 @triton.jit(do_not_specialize=["n_win", "n_ring"])
 def _windows_and_tails_kernel(win_src_ptr, win_dest_ptr, win_pos_ptr, tail_src_ptr, tail_dest_ptr, n_win,
                               kv_ptr, sc_ptr, ape_ptr, pos_ptr, ring_ptr, tail_ptr, ent_ptr, norm_w_ptr, freq_ptr,
@@ -73,23 +84,20 @@ def _windows_and_tails_kernel(win_src_ptr, win_dest_ptr, win_pos_ptr, tail_src_p
         mx = tl.full([D], float("-inf"), dtype=tl.float32)
         for k0 in range(0, NWIN, BLOCK_R):
             k = k0 + tl.arange(0, BLOCK_R)
-            codes = tl.load(win_src_ptr + i * NWIN + k, mask=k < NWIN, other=-1)
-            _, sc = _source_rows(codes, tl.where(k >= NWIN - RATIO, OWN, 0), kv_ptr, sc_ptr, ape_ptr, pos_ptr,
-                                 ring_ptr, tail_ptr, stride_kv, stride_sc, n_ring, RATIO, D, C, CODE, INTERP)
+            _, sc = _window_rows(win_src_ptr, i, k, kv_ptr, sc_ptr, ape_ptr, pos_ptr, ring_ptr, tail_ptr, stride_kv,
+                                 stride_sc, n_ring, RATIO, NWIN, OWN, D, C, CODE, INTERP)
             mx = tl.maximum(mx, tl.max(sc, axis=0))
         den = tl.zeros([D], dtype=tl.float32)
         for k0 in range(0, NWIN, BLOCK_R):
             k = k0 + tl.arange(0, BLOCK_R)
-            codes = tl.load(win_src_ptr + i * NWIN + k, mask=k < NWIN, other=-1)
-            _, sc = _source_rows(codes, tl.where(k >= NWIN - RATIO, OWN, 0), kv_ptr, sc_ptr, ape_ptr, pos_ptr,
-                                 ring_ptr, tail_ptr, stride_kv, stride_sc, n_ring, RATIO, D, C, CODE, INTERP)
+            _, sc = _window_rows(win_src_ptr, i, k, kv_ptr, sc_ptr, ape_ptr, pos_ptr, ring_ptr, tail_ptr, stride_kv,
+                                 stride_sc, n_ring, RATIO, NWIN, OWN, D, C, CODE, INTERP)
             den += tl.sum(tl.exp(sc - mx[None, :]), axis=0)
         acc = tl.zeros([D], dtype=tl.float32)
         for k0 in range(0, NWIN, BLOCK_R):
             k = k0 + tl.arange(0, BLOCK_R)
-            codes = tl.load(win_src_ptr + i * NWIN + k, mask=k < NWIN, other=-1)
-            kv, sc = _source_rows(codes, tl.where(k >= NWIN - RATIO, OWN, 0), kv_ptr, sc_ptr, ape_ptr, pos_ptr,
-                                  ring_ptr, tail_ptr, stride_kv, stride_sc, n_ring, RATIO, D, C, CODE, INTERP)
+            kv, sc = _window_rows(win_src_ptr, i, k, kv_ptr, sc_ptr, ape_ptr, pos_ptr, ring_ptr, tail_ptr, stride_kv,
+                                  stride_sc, n_ring, RATIO, NWIN, OWN, D, C, CODE, INTERP)
             a = round_to(tl.exp(sc - mx[None, :]) / den[None, :], CODE, INTERP)
             acc += tl.sum(round_to(kv * a, CODE, INTERP), axis=0)
         y = pooled_entry(acc, tl.load(win_pos_ptr + i), norm_w_ptr, freq_ptr, eps, D, ROPE_HALF, CODE, INTERP)
