@@ -76,8 +76,8 @@ def test_host_to_device_copies_per_step(monkeypatch) -> None:
 
 def test_reserved_ring_allocates_nothing_while_serving() -> None:
     """After `reserve` (the engine's warm-up) every slot is ready: steps up to that size take
-    blocks without allocating (a pinned allocation per step made the first generate after
-    start slower than the next); a larger copy still grows its slot, after waiting for it."""
+    blocks without allocating (the rings used to allocate pinned memory in each of the first
+    steps served); a larger copy still grows its slot, after waiting for it."""
     ring = PinnedRing(slots=4, pin=False)
     ring.reserve(8192)
     before = PinnedRing.allocations

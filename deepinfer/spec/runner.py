@@ -215,12 +215,7 @@ class SpecDecoder:
                 cands.append((req, d, valid, drafts_to_verify(n, valid, deterministic)))
         self.drafts.clear()
         if self.varlen and cands:
-            newest = [d.confidences[:v] for _, d, v, _ in cands]
-            if self.older_confidences is None:  # the first plan has no budget yet: verify every draft
-                lengths = [len(c) for c in newest]
-            else:
-                lengths = split_budget(self.older_confidences, newest, self.curve)
-            self.older_confidences = newest
+            lengths = self._split(newest=[d.confidences[:v] for _, d, v, _ in cands])
         else:
             lengths = [v for _, _, v, _ in cands]
         for (req, d, v, most), m in zip(cands, lengths):
@@ -241,15 +236,17 @@ class SpecDecoder:
         if not self.varlen:
             return [self.k] * len(req_ids)
         known = [rid for rid in req_ids if rid in self.confidences]
-        newest = [self.confidences[rid][:self.k] for rid in known]
-        if self.older_confidences is None or not known:  # no budget yet: verify every draft
-            split = [self.k] * len(known)
-        else:
-            split = split_budget(self.older_confidences, newest, self.curve)
-        if known:
-            self.older_confidences = newest
-        by_id = dict(zip(known, split))
+        by_id = dict(zip(known, self._split([self.confidences[rid][:self.k] for rid in known]))) if known else {}
         return [by_id.get(rid, self.k) for rid in req_ids]
+
+    def _split(self, newest: list[list[float]]) -> list[int]:
+        """Draft counts for confidences ``newest``: the budget of the previous plan's
+        (``older_confidences``; none yet: every draft), split with these, which the next plan's
+        budget then comes from."""
+        lengths = ([len(c) for c in newest] if self.older_confidences is None
+                   else split_budget(self.older_confidences, newest, self.curve))
+        self.older_confidences = newest
+        return lengths
 
     # ---------------------------------------------------------------- device side
     @torch.no_grad()
