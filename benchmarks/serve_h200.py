@@ -39,12 +39,10 @@ import asyncio
 import gc
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -58,6 +56,7 @@ import torch  # noqa: E402
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.models.tiny import mini_config, tiny_config, write_tiny_checkpoint  # noqa: E402
 from deepinfer.serve.bench import BenchConfig, run_bench, summarize  # noqa: E402
+from deepinfer.serve.launch import ServerProcess, start_server  # noqa: E402
 
 
 def commit() -> str:
@@ -140,26 +139,9 @@ def compare(srv: dict, off: dict, offline_text: list[list[str]]) -> dict:
             "added_tpot_ms": srv["low_load"]["tpot_ms"]["p50"] - off["tpot_ms_p50"]}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(ckpt: str, engine: dict, port: int, client: str) -> subprocess.Popen:
+def launch(ckpt: str, engine: dict, client: str) -> ServerProcess:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
-    proc = subprocess.Popen([sys.executable, "-m", "deepinfer.cli", "serve", "--model", ckpt, "--port", str(port),
-                             "--max-waiting", "100000", "--engine-client", client, *flags], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    seen: list[str] = []  # the server's output, for the error when it dies before it is ready
-    for line in proc.stdout:
-        if "deepinfer serve: ready on" in line:
-            # keep reading its output: a full pipe would block the server's logging
-            threading.Thread(target=proc.stdout.read, daemon=True).start()
-            return proc
-        seen = (seen + [line])[-40:]
-    raise RuntimeError(f"the server exited with {proc.wait()}:\n" + "".join(seen))
+    return start_server(["--model", ckpt, "--max-waiting", "100000", "--engine-client", client, *flags], cwd=ROOT)
 
 
 def host_cpu_s(server_pid: int) -> dict[str, float]:
@@ -255,12 +237,11 @@ def main(argv: list[str] | None = None) -> dict:
     off = offline(ckpt, engine, args, vocab)
     servers = {}
     for client in args.clients:
-        proc = start_server(ckpt, engine, port := free_port(), client)
+        server = launch(ckpt, engine, client)
         try:
-            servers[client] = asyncio.run(served(f"http://127.0.0.1:{port}", args, vocab, proc.pid))
+            servers[client] = asyncio.run(served(server.url, args, vocab, server.pid))
         finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+            server.stop(timeout=30)
     from deepinfer.tokenizer import load_tokenizer
     tok = load_tokenizer(ckpt)
     offline_text = [[tok.decode([t], skip_special_tokens=False) for t in ids] for ids in off.pop("greedy")]

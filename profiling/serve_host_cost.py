@@ -19,11 +19,8 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -33,6 +30,7 @@ import psutil  # noqa: E402
 
 from deepinfer.profiling.records import git_commit, hardware_name  # noqa: E402
 from deepinfer.serve.bench import BenchConfig, run_bench, summarize  # noqa: E402
+from deepinfer.serve.launch import start_server  # noqa: E402
 
 SERVER_UNDER_PROFILE = r"""
 import cProfile, pstats, signal, sys
@@ -48,29 +46,9 @@ main(["serve"] + sys.argv[2:])
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cpu_s(proc: psutil.Process) -> float:
     t = proc.cpu_times()
     return t.user + t.system
-
-
-def wait_ready(url: str, server: subprocess.Popen, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError("the server was not ready in time")
 
 
 def bench(url: str, args: argparse.Namespace, n: int) -> tuple[dict, float, float]:
@@ -98,16 +76,13 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="run the server's process under cProfile")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    flags = ["--port", str(port), "--max-num-seqs", str(args.concurrency), "--max-model-len", "256",
+    flags = ["--max-num-seqs", str(args.concurrency), "--max-model-len", "256",
              "--log-level", "warning"] + (["--model", args.model] if args.model else [])
     prof_path = os.path.join(args.out, "serve_host_cost_server.prof")
-    cmd = ([sys.executable, "-c", SERVER_UNDER_PROFILE, prof_path] if args.profile
-           else [sys.executable, "-m", "deepinfer.cli", "serve"]) + flags
-    server = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = start_server(flags, cwd=ROOT, command=[sys.executable, "-c", SERVER_UNDER_PROFILE, prof_path]
+                          if args.profile else None)
+    url = server.url
     try:
-        wait_ready(url, server)
         api = psutil.Process(server.pid)
         # the engine process: the child that built a model (multiprocessing's resource tracker is one too)
         engine = max(api.children(recursive=True), key=cpu_s)
@@ -116,8 +91,7 @@ def main() -> None:
         result, client_cpu, wall = bench(url, args, args.num_prompts)
         api_cpu, eng_cpu = cpu_s(api) - api0, cpu_s(engine) - eng0
     finally:
-        server.terminate()
-        server.wait(60)
+        server.stop(timeout=60)
     tokens = result["total_output_tokens"]
     rows = {"api_server": api_cpu, "engine_process": eng_cpu, "bench_client": client_cpu}
     record = {"study": "serve_host_cost", "commit": git_commit(ROOT)[0], "hardware": hardware_name(),

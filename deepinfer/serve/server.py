@@ -5,7 +5,8 @@
 
 Every `EngineConfig` field is a flag (``--max-num-seqs 64``, ``--no-async-scheduling``);
 flags left out fall back to ``DEEPINFER_*`` variables and the defaults, as ``LLM(...)`` does.
-The server prints ``deepinfer serve: ready on http://HOST:PORT`` once it accepts requests.
+The server prints ``deepinfer serve: ready on http://HOST:PORT`` once it accepts requests;
+``--port 0`` binds a port the OS picks and that line names it (deepinfer/serve/launch.py reads it).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _engine_fields() -> list[tuple[str, type, Any]]:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The server's flags and one flag per engine argument."""
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="0: a free port the OS picks (the ready line names it)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the "
                    "checkpoint directory's name)")
@@ -91,15 +92,24 @@ def make_client(kind: str, kwargs: dict[str, Any], max_waiting: int, on_step: An
     return client
 
 
+def bound_port(server: Any) -> int:
+    """The port a started uvicorn server listens on (the one the OS picked for ``--port 0``)."""
+    for srv in server.servers:
+        for sock in srv.sockets:
+            return int(sock.getsockname()[1])
+    raise RuntimeError("uvicorn reports no listening socket")
+
+
 def serve(args: argparse.Namespace) -> int:
     """Start the engine client (--engine-client), serve HTTP until interrupted."""
     import uvicorn
 
     from deepinfer.serve.app import build_app
+    from deepinfer.serve.launch import READY_PREFIX
     from deepinfer.serve.metrics import ServeMetrics
 
-    if not 1 <= args.port <= 65535:
-        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535] (0: a free port the OS picks), got {args.port}")
     if args.max_waiting < 1 or args.max_body_bytes < 1:
         raise ValueError("--max-waiting and --max-body-bytes must be >= 1")
     if not args.gil_switch_interval_ms > 0:
@@ -122,7 +132,8 @@ def serve(args: argparse.Namespace) -> int:
     async def startup(sockets: Any = None) -> None:
         await original(sockets)
         if server.started:
-            print(f"deepinfer serve: ready on http://{args.host}:{args.port} (model {name!r})", flush=True)
+            port = bound_port(server) if args.port == 0 else args.port
+            print(f"{READY_PREFIX}http://{args.host}:{port} (model {name!r})", flush=True)
 
     server.startup = startup  # type: ignore[method-assign]
     try:
