@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
            "prefill_launches": counts, "cprofile": tables}
     print(json.dumps({k: v for k, v in out.items() if k != "cprofile"}, indent=1))
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"prefill_host_profile_{'h200' if 'H200' in hw else 'cpu'}_{args.tokens}.json")
+    tag = "_".join(filter(None, ["h200" if "H200" in hw else "cpu", out["commit"], str(args.tokens)]))
+    path = os.path.join(args.out, f"prefill_host_profile_{tag}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(path)
