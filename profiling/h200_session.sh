@@ -127,6 +127,6 @@ write_tiny_checkpoint('/tmp/mini', seed=0, cfg=mini_like_config('mini'), dtype=t
     run 150 python3 profiling/offline_waves.py --out "$OUT"
     ;;
   spec)  # issue 24's targets: scheduled DSpark now plans ahead like fixed
-    run 540 python3 benchmarks/spec_h200.py --out "$OUT"
+    TAIL=40 logged spec_h200 540 python3 benchmarks/spec_h200.py --out "$OUT"  # full log: $OUT/res/spec_h200.log
     ;;
 esac

@@ -223,6 +223,27 @@ def test_dspark_scheduled_verification_is_planned_ahead(monkeypatch):
     llm.kv_manager.assert_consistent()
 
 
+def test_dspark_plan_after_a_short_verify_reads_no_freed_window_block(monkeypatch):
+    """A plan made ahead of a step that verified few drafts sits at most that many positions
+    below its plan, while the window blocks below an earlier plan's (k drafts, none accepted)
+    window are already freed. Verify counts alternating 5 / 0 put such plans at every window
+    block crossing of these prompts (230..237 tokens; the window is one 128-row block): the
+    drafter's layout reads only what each request's own shift can reach, with the tokens of
+    no speculation (it read freed blocks and raised on the H200 before)."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(8192) for _ in range(230 + i)] for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = _no_speculation(prompts, params)
+    llm = _llm(monkeypatch, 5, model=DSPARK, max_model_len=512, max_num_seqs=8, enable_mtp_varlen=True)
+    spec, calls = llm.runner.spec, []
+    monkeypatch.setattr(spec, "planned_ahead_lengths", lambda ids: calls.append(1) or [5 * (len(calls) % 2)] * len(ids))
+    assert _tokens(llm, prompts, params) == want
+    planner = llm.async_loop.planner
+    assert planner.stats["planned_ahead"] >= 15 and planner.stats["resolved"] == 0
+    assert spec.drafter.graphs.stats["after_verify_steps"] >= planner.stats["planned_ahead"]
+    llm.kv_manager.assert_consistent()
+
+
 def test_planned_ahead_lengths_split_the_older_budget_with_the_host_confidences():
     """The first plan made ahead verifies every draft; later ones take their budget from the
     plan before and split it by the confidences of the drafts in flight; a request without

@@ -85,6 +85,13 @@ class DSparkDrafter(Drafter):
         self.stages = list(model.mtp)
         self.target_layers = tuple(int(i) for i in cfg.dspark_target_layer_ids)
         self.sampler = Sampler()
+        #: per request, the drafts its last graphed verify step checked: a step planned ahead of
+        #: that one sits at most that many positions below its plan (accepted - drafts)
+        self._verified_drafts: dict[str, int] = {}
+
+    def drop(self, req_ids: list[str]) -> None:
+        for rid in req_ids:
+            self._verified_drafts.pop(rid, None)
 
     def _cache_id(self, stage: int) -> int:
         return self.cfg.num_hidden_layers + stage
@@ -276,7 +283,10 @@ class DSparkDrafter(Drafter):
         for r, seq, cut in zip(so.scheduled, batch.seqs, batch_cuts(batch)):
             if cut > seq.start or not r.sampling_params.is_greedy:
                 return None
-        ext, feat = self._after_verify_layout(so, batch, most, lower)
+        # each request's own reach below its plan: the drafts of the step this one was planned
+        # ahead of (the window blocks kept for it end there; a wider read would touch freed ones)
+        reach = [min(lower, self._verified_drafts.get(r.req_id, lower)) for r in so.scheduled]
+        ext, feat = self._after_verify_layout(so, batch, most, lower, reach)
         dev = streams.device
         host = torch.empty(ext.size + feat.size, dtype=torch.int64, device=dev)
         copy_to_device(host, np.concatenate([ext.ravel(), feat.ravel()]))  # staged: never waits for the stream
@@ -294,14 +304,17 @@ class DSparkDrafter(Drafter):
         if out is None:
             return None
         self.graphs.stats["after_verify_steps"] += 1
+        self._verified_drafts = {r.req_id: r.num_draft_tokens for r in so.scheduled}
         return out[0]
 
-    def _after_verify_layout(self, so, batch, most: int, lower: int) -> tuple[np.ndarray, np.ndarray]:
+    def _after_verify_layout(self, so, batch, most: int, lower: int,
+                             reach: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Host inputs of `draft_after_verify`, every request at once: ``ext`` [requests,
         N_COLS + W - 1 + most + lower] (block columns, then context pool rows of the window
         for accepted count 0 at a shift of -``lower``, and further), ``feat`` [rows, 2 + lower]
         (per verify row: its plan's position, then the pool rows of that position shifted by
-        -lower .. 0)."""
+        -lower .. 0). ``reach`` [requests] (<= lower, default lower): the largest shift each
+        request can have; context columns of larger shifts are never picked and stay 0."""
         W, per_block = self.cfg.sliding_window, self._rows_per_block()
         seqs = batch.seqs
         tables = padded_tables([s.block_table[GROUP_SWA] for s in seqs])
@@ -314,7 +327,8 @@ class DSparkDrafter(Drafter):
         feat[:, 0] = row_pos
         feat[:, 1:] = paged_slots_of(tables[group], shifted, shifted >= 0, per_block)
         ctx = (start - lower + 2 - W)[:, None] + np.arange(W - 1 + most + lower)
-        valid = (ctx >= 0) & (ctx < (start + length)[:, None])
+        low = start - (np.asarray(reach, dtype=np.int64) if reach is not None else lower) + 2 - W
+        valid = (ctx >= np.maximum(low, 0)[:, None]) & (ctx < (start + length)[:, None])
         ext = np.empty((len(seqs), N_COLS + ctx.shape[1]), dtype=np.int64)
         ext[:, N_COLS:] = paged_slots_of(tables, ctx, valid, per_block)
         ext[:, 0], ext[:, 1], ext[:, 3], ext[:, 4] = 0, start, 1, _float_bits(1.0)
