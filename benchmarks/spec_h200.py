@@ -296,7 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
     res["targets"] = targets(res, args.batches)
     res["seconds"] = round(time.perf_counter() - t_start, 1)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"spec_h200_{res['commit'][:7]}{'_tiny' if args.tiny else ''}.json")
+    card = "h100" if "H100" in hw else "h200"  # the lent machine may be either (the JSON names it in full)
+    path = os.path.join(args.out, f"spec_{card}_{res['commit'][:7]}{'_tiny' if args.tiny else ''}.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
     print(f"{'config':22} {'batch':>5} {'tok/s/user':>11} {'tok/s':>10} {'eff tok/step':>12}  acceptance/position")

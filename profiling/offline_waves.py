@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{mode:<6} {name[6:]:>5} {r['tok_s']:>8.0f} {r['steps']:>5} {r['wall_ms_per_step']:>8.3f}  "
                   f"{kinds}  {r['fast_path']}")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"offline_waves_{'h200' if 'H200' in hw else 'cpu'}_{commit}.json")
+    tag = "h200" if "H200" in hw else ("cpu" if hw == "cpu" else hw.replace(" ", "_").lower())
+    path = os.path.join(args.out, f"offline_waves_{tag}_{commit}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(path)

@@ -71,7 +71,7 @@ BENCHMARKS = (
           ("spec_draft_h200_*.json",)),
     Bench("spec_h200.py", "speculative decoding of the trained default (off / MTP / DSpark fixed / scheduled): tok/s "
           "per user and total, acceptance per position, verify + draft step profile, invariant bitwise check",
-          ("spec_h200_*.json",)),
+          ("spec_h200_*.json", "spec_h100_*.json")),
     Bench("v41_prefill_h200.py", "V4.1 compiled prefill / mixed steps vs the reference path, 8k prefill tok/s per "
           "bounded-replay mode", ("v41_prefill_*.json",)),
 )
