@@ -55,14 +55,19 @@ def test_fused_moe_rounds_like_reference(fresh_seed: int, t: int, h: int, inter:
     y * w, and out = round(out + y) per expert in ascending id, as index_add_ into a bf16
     output does), so only the float32 accumulation order of the GEMMs differs, which
     flips a bf16 rounding rarely. Summing the slots in float32 and rounding once (the
-    kernel's old combine) changed ~45% of the outputs by an ulp or more (rel ~3.5e-3)."""
+    kernel's old combine) changed ~45% of the outputs by an ulp or more (rel ~3.5e-3), in
+    every row. One flipped intermediate (an element of g, u or act) moves up to its whole
+    token's row of outputs (a fresh seed flipped 21 of one row's 96), so the rows with a
+    difference are counted, not the outputs."""
     x, w1, w3, w2, w, ids = _inputs(fresh_seed, t, h, inter, e, k, torch.bfloat16)
     out = fused_moe(x, w1, w3, w2, w, ids, 1.0)
     ref = fused_moe_ref(x, w1, w3, w2, w, ids, 1.0)
+    rows = int((out != ref).any(dim=1).sum())
     differ = (out != ref).double().mean().item()
     rel = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-    assert differ <= 0.03, f"{differ:.2%} of the outputs differ from the reference"
-    assert rel <= 1e-3, f"relative error {rel:.2e}"
+    assert rows <= max(2, t // 4), f"{rows} of {t} token rows differ from the reference ({differ:.2%} of the outputs)"
+    assert differ <= 0.10, f"{differ:.2%} of the outputs differ from the reference"
+    assert rel <= 2.5e-3, f"relative error {rel:.2e}"  # two rows of 7 off by an ulp: ~1.7e-3
 
 
 def test_fused_moe_skips_remote_experts(fresh_seed: int) -> None:
