@@ -88,3 +88,17 @@ def test_greedy_lane_rows_scale_with_the_vocabulary() -> None:
     assert greedy_lane_max_rows(10**7) == 128  # never below the floor
     with pytest.raises(ValueError, match="vocab_size"):
         greedy_lane_max_rows(0)
+
+
+def test_step_memory_is_kept_cached_only_on_cuda_with_a_profile() -> None:
+    """The first generate's activations stay in the CUDA caching allocator; off CUDA, or with
+    no profile (a lazy graph reserve), nothing is allocated."""
+    from deepinfer.engine.memory_profile import MemoryProfile, keep_step_memory
+
+    profile = MemoryProfile(step_peak_bytes=1 << 20, graph_bytes=0)
+    assert keep_step_memory(profile, torch.device("cpu")) == 0
+    assert keep_step_memory(None, torch.device("cuda")) == 0
+    assert keep_step_memory(MemoryProfile(0, 0), torch.device("cuda")) == 0
+    if torch.cuda.is_available():
+        assert keep_step_memory(profile, torch.device("cuda")) == 1 << 20
+        assert torch.cuda.memory_reserved() >= 1 << 20  # cached, not returned to the driver

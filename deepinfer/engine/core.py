@@ -23,7 +23,7 @@ import torch
 from deepinfer.config import EngineConfig
 from deepinfer.engine.kv_cache_manager import HybridKVCacheManager, KVCacheGroupSpec
 from deepinfer.engine.kv_sizing import num_kv_blocks
-from deepinfer.engine.memory_profile import profile_memory
+from deepinfer.engine.memory_profile import keep_step_memory, profile_memory
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.output_processor import OutputProcessor, StreamDelta
 from deepinfer.engine.request import Request, RequestStatus
@@ -118,6 +118,7 @@ class EngineCore:
         if cfg.num_speculative_tokens > 0:
             from deepinfer.spec import measure_step_curve
             measure_step_curve(self)  # times the verify steps just warmed (graphs included)
+        keep_step_memory(self.memory_profile, self.device)  # the first generate's activations, cached
         # grammars compile in worker threads; xgrammar itself loads on the first constrained request
         self.structured = StructuredOutputManager(self.tokenizer, mcfg.vocab_size, self.eos_token_id,
                                                   self.device, cfg.max_num_seqs)

@@ -104,6 +104,18 @@ def profile_memory(model: torch.nn.Module, config: EngineConfig, device: torch.d
     return MemoryProfile(int(peak), graph_bytes, graph)
 
 
+def keep_step_memory(profile: MemoryProfile | None, device: torch.device) -> int:
+    """Leave the worst step's activation peak cached in the device allocator (one block,
+    freed at once): the start-up profile and graph capture returned the allocator's cache
+    to the driver, so the first ``generate()`` would otherwise pay a cudaMalloc for each
+    of its large activations. The bytes are already kept free beside the KV cache
+    (``MemoryProfile.total``). Returns the bytes held (0 off CUDA or without a profile)."""
+    if profile is None or device.type != "cuda" or profile.step_peak_bytes <= 0:
+        return 0
+    torch.empty(int(profile.step_peak_bytes), dtype=torch.uint8, device=device)
+    return int(profile.step_peak_bytes)
+
+
 def profile_step_peak_bytes(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> int | None:
     """Bytes a worst-case step and the decode graphs take beyond what is allocated now
     (:attr:`MemoryProfile.total`; CUDA), or None."""
