@@ -353,13 +353,13 @@ def test_greedy_lane_is_left_for_steps_it_cannot_verify(ckpt, reference, monkeyp
 
 @pytest.mark.parametrize("case", range(6))
 def test_greedy_lane_verification_equals_rejection_sampling(case, fresh_seed):
-    """The verify graphs' greedy lane (``greedy_verify_packed`` on the graph's argmax / log-prob
+    """The verify graphs' greedy lane (``greedy_verify`` on the graph's argmax / log-prob
     rows and the step's groups, padded rows included) accepts and emits what
     ``rejection_sample`` does for greedy rows, on random logits and mostly-right drafts."""
     import random
 
     from deepinfer.engine.sampler import pack_greedy
-    from deepinfer.models.fast.verify_graphs import greedy_verify_packed
+    from deepinfer_kernels.spec_lane import greedy_verify_ref as greedy_verify_packed
     from deepinfer.spec.verify import greedy_verify_result
 
     g, rng = torch.Generator().manual_seed(fresh_seed + case), random.Random(fresh_seed + case)

@@ -273,7 +273,7 @@ def test_feed_placeholders_equals_the_token_buffers_fill():
     from deepinfer.engine.outputs import ScheduledRequest, SchedulerOutput
     from deepinfer.engine.request import PLACEHOLDER_TOKEN_ID
     from deepinfer.engine.token_buffer import DeviceTokenBuffer
-    from deepinfer.models.fast.verify_graphs import feed_placeholders
+    from deepinfer_kernels.spec_lane import feed_placeholders_ref as feed_placeholders
     from deepinfer.models.paged_batch import ForwardBatch
 
     gen = torch.Generator().manual_seed(11)

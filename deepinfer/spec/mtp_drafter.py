@@ -21,7 +21,7 @@ import torch
 
 from deepinfer import batch_invariant
 from deepinfer.engine.sampler import Sampler, SamplingTensors, unpack_greedy
-from deepinfer.models.fast.forward import blocks_supported, head_hidden, run_block
+from deepinfer.models.fast.forward import blocks_supported, head_hidden, mtp_stage_streams, run_block
 from deepinfer.models.fast.runner import MAX_ROWS
 from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
 from deepinfer.models.registry import family_of
@@ -64,8 +64,7 @@ class MTPDrafter(Drafter):
         if ops is None or batch_invariant.enabled() or not blocks_supported([mtp]):
             return model.mtp_forward(0, prev, batch, self.cache)
         ctx = model.context(batch, self.cache)
-        e = mtp.e_proj(mtp.enorm(model.embed(batch.input_ids)))
-        streams = mtp.h_proj(mtp.hnorm(prev)) + e.unsqueeze(1)
+        streams = mtp_stage_streams(model, mtp, ops, batch.input_ids, prev)
         streams, last = run_block(mtp, streams, None, batch.input_ids, ops, lambda attn, x: attn(x, ctx))
         h, streams = head_hidden(mtp, ops, streams, last, return_streams=True)
         return streams, model.head(h).float()

@@ -29,7 +29,7 @@ import torch
 
 from deepinfer.engine.transfer import copy_to_device
 from deepinfer.models.fast.decode_graphs import DecodeGraphs, graph_shapes
-from deepinfer.models.fast.forward import head_hidden, head_logits, run_block
+from deepinfer.models.fast.forward import head_hidden, head_logits, mtp_stage_streams, run_block
 from deepinfer.models.fast.runner import StepInputs
 from deepinfer.models.fast.verify_graphs import verify_row_buckets
 from deepinfer.models.registry import family_of
@@ -70,8 +70,7 @@ class MTPStageGraphs:
         meta, prev = arg
         model, mtp, ops = self.model, self.mtp, self.ops
         ctx = model.context(self.fast.batch_of(meta), self.cache)
-        e = mtp.e_proj(mtp.enorm(model.embed(meta.ids)))
-        streams = mtp.h_proj(mtp.hnorm(prev)) + e.unsqueeze(1)
+        streams = mtp_stage_streams(model, mtp, ops, meta.ids, prev)
         streams, last = run_block(mtp, streams, None, meta.ids, ops, lambda attn, x: self.attention(attn, x, ctx))
         h, streams = head_hidden(mtp, ops, streams, last, return_streams=True)
         logits = head_logits(model, ops, h)

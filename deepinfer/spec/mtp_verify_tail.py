@@ -27,7 +27,7 @@ __all__ = ["MTPVerifyTail"]
 
 class MTPVerifyTail:
     """``tail(meta, streams, packed, greedy, n_groups, row_shift)`` (meta: fed, its
-    positions shifted by ``row_shift``, `verify_graphs.feed_placeholders`) -> per
+    positions shifted by ``row_shift``, ``ops.feed_placeholders``) -> per
     group (first draft packed [R, 2] (token, log-prob bits), its output streams [R, N, D],
     accepted drafts [R], accepted + the group's shift [R]: where its later passes start)."""
 
@@ -36,24 +36,13 @@ class MTPVerifyTail:
             raise ValueError(f"MTPVerifyTail: token storage [{tuple(last.shape)}] / shift [{tuple(shift.shape)}] "
                              f"must have the same rows (slots + a spare one) and at least 2 columns")
         self.stage, self.last, self.shift = stage, last, shift
-        self.spare = last.shape[0] - 1  # padded groups record here
 
     def __call__(self, meta: Any, streams: torch.Tensor, packed: torch.Tensor, greedy: torch.Tensor,
                  n_groups: torch.Tensor, row_shift: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        r = packed.shape[0]
         argmax = packed[:, 0]
         stage_streams, stage_packed = self.stage._body((dataclasses.replace(meta, ids=argmax.to(meta.ids.dtype)),
                                                         streams))
-        starts = meta.starts[:r].long()
-        num_drafts = (meta.starts[1:r + 1].long() - starts - 1).clamp(min=0)
-        accepted = torch.minimum(greedy[2 * r: 3 * r] - starts, num_drafts).clamp(min=0)
-        at = (starts + accepted).clamp(max=r - 1)
-        draft = stage_packed[at]
-        group = torch.arange(r, device=packed.device)
-        dest = torch.where(group < n_groups.long(), meta.slots[starts.clamp(max=r - 1)].long(),
-                           torch.full_like(group, self.spare))
-        self.last[dest, 0] = argmax[at]
-        self.last[dest, 1] = draft[:, 0]
-        self.shift[dest] = accepted - num_drafts
-        return draft, stage_streams[at], accepted, accepted + row_shift[starts.clamp(max=r - 1)]
+        draft, at, accepted, accepted_shift = self.stage.ops.mtp_tail_record(
+            meta.starts, meta.slots, greedy, packed, stage_packed, n_groups, row_shift, self.last, self.shift)
+        return draft, stage_streams.index_select(0, at), accepted, accepted_shift

@@ -286,7 +286,7 @@ def sample_draft(logits: torch.Tensor, params: SamplingTensors, sampler: Sampler
 
 
 def greedy_verify_result(host: torch.Tensor, offsets: list[int], num_drafts: list[int], rows: int) -> VerifyResult:
-    """Host lists of ``models.fast.verify_graphs.greedy_verify_packed``'s copy (the verify
+    """Host lists of ``deepinfer_kernels.spec_lane.greedy_verify``'s copy (the verify
     graphs' greedy lane; its accepted runs are :func:`rejection_sample`'s for greedy rows)
     for the requests whose groups start at ``offsets`` with ``num_drafts`` drafts each
     (``rows``: the step's padded row count R)."""

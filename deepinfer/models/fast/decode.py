@@ -35,6 +35,7 @@ def kernel_ops(kind: str) -> SimpleNamespace:
     from deepinfer_kernels import router as rt
     from deepinfer_kernels import linear_f32 as lf
     from deepinfer_kernels import skinny_gemm as sg
+    from deepinfer_kernels import spec_lane as sl
 
     if kind not in ("triton", "ref"):
         raise ValueError(f"unknown fast-path op kind {kind!r}")
@@ -44,7 +45,7 @@ def kernel_ops(kind: str) -> SimpleNamespace:
             "fused_moe_w8a8": w8, "skinny_linear": sg, "skinny_grouped_linear": sg, "argmax_logsumexp": am,
             "hc_shifted": mhc, "indexer_scores": it, "engram_hash": eg,
             "engram_gate": eg, "linear_f32": lf,
-            "hc_collapse_norm": hcc}
+            "hc_collapse_norm": hcc, "feed_placeholders": sl, "greedy_verify": sl, "mtp_tail_record": sl}
     return SimpleNamespace(kind=kind, **{name: getattr(mod, name + sfx) for name, mod in mods.items()})
 
 

@@ -66,6 +66,14 @@ def run_layers(model: Any, input_ids: torch.Tensor, ops: Any, attention: Callabl
     return streams, prev
 
 
+def mtp_stage_streams(model: Any, mtp: Any, ops: Any, ids: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """An MTP stage's input streams [R, N, D]: ``h_proj(hnorm(prev)) + e_proj(enorm(embed(ids)))``
+    per stream (``models.v4.model.MTPStage``), its two norms on the RMSNorm kernel (as torch
+    ops they are eight launches each)."""
+    e = mtp.e_proj(ops.rms_norm(model.embed(ids), mtp.enorm.weight, mtp.enorm.eps))
+    return mtp.h_proj(ops.rms_norm(prev, mtp.hnorm.weight, mtp.hnorm.eps)) + e.unsqueeze(1)
+
+
 def blocks_supported(blocks: Any) -> bool:
     """Every block's FFN runs on the fused MoE kernel."""
     return all(moe_supported(b.ffn) for b in blocks)

@@ -20,7 +20,7 @@ in decode graphs: they write what row 0 writes.
 
 Greedy lane: a step whose requests are all greedy (no top log-probs, no grammar) and whose
 rows fit ``greedy_lane_max_rows`` (by vocabulary) replays a graph that also computes every row's logits, argmax
-and log-prob and verifies the drafts (:func:`greedy_verify_packed`): the step's
+and log-prob and verifies the drafts (``ops.greedy_verify``, deepinfer_kernels/spec_lane.py): the step's
 logits, sampling and acceptance then launch nothing of their own and reach the host in one
 copy. Its logits stay in the pool (R x V float32), hence the row cap.
 """
@@ -64,23 +64,10 @@ def greedy_lane_max_rows(vocab_size: int) -> int:
     return max(GREEDY_MAX_ROWS, GREEDY_LOGITS_BYTES // (4 * vocab_size))
 
 
-def feed_placeholders(last: torch.Tensor, shift: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-                      src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows with ``src >= 0`` (a plan made ahead: `DeviceTokenBuffer.placeholder_index`'s
-    flat indices into ``last`` [slots, width]) read their id there and add their slot's
-    ``shift`` to their position; other rows keep theirs. Returns (ids, positions, row shifts
-    [R] int64, zeros for the given rows): `DeviceTokenBuffer.fill` on the device, in a graph."""
-    given = src >= 0
-    at = src.clamp(min=0).long()
-    fed = torch.where(given, last.view(-1)[at], ids.long()).to(ids.dtype)
-    row_shift = torch.where(given, shift[at // last.shape[1]], 0)
-    return fed, positions + row_shift.to(positions.dtype), row_shift
-
-
 @dataclass
 class VerifyStep:
     """A decode-like verify step's outputs: the final streams (V4.1: the collapsed hidden)
-    of its real rows, and in the greedy lane ``greedy`` (:func:`greedy_verify_packed`'s
+    of its real rows, and in the greedy lane ``greedy`` (``ops.greedy_verify``'s
     int64 [3R + 1] over the step's R padded rows; None off the lane)."""
 
     streams: torch.Tensor
@@ -89,7 +76,7 @@ class VerifyStep:
     #: the outputs of the graph's ``VerifyGraphs.tail`` (None without one, off the lane)
     tail: tuple | None = None
     #: [R] int64 per row: the position shift the graph added (a step planned ahead; zeros
-    #: otherwise), when the lane's graph fed itself from the token buffer (`feed_placeholders`)
+    #: otherwise), when the lane's graph fed itself from the token buffer (``ops.feed_placeholders``)
     row_shift: torch.Tensor | None = None
     _accepted: tuple | None = None
 
@@ -107,29 +94,6 @@ class VerifyStep:
             first = self.greedy[2 * self.rows: 2 * self.rows + len(offsets)]
             self._accepted = (key, meta[0], torch.minimum(first - meta[0], meta[1]))
         return self._accepted[1], self._accepted[2]
-
-
-def greedy_verify_packed(ids: torch.Tensor, packed: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """All-greedy verification without leaving a CUDA graph (the verify graphs' greedy lane):
-    ``ids`` [R] the step's input tokens (per request its last token, then its drafts),
-    ``packed`` [R, 2] int64 each row's (argmax, log-prob bits) (``pack_greedy`` layout),
-    ``starts`` [R + 1] int32 the request groups (``StepInputs.starts``: group g is rows
-    [starts[g], starts[g + 1]); empty groups repeat R). Returns int64 [3R + 1]: ``packed``
-    flattened, then per group the first row whose argmax is not the next draft (the group's
-    last row when every draft matches; R for an empty group). A group's emitted tokens are
-    the argmaxes of its rows up to that one: accepted drafts equal the argmax of the row
-    before them, and the first mismatch (or the bonus row) emits its own argmax, exactly
-    what ``spec.verify.rejection_sample`` gives greedy rows. Fixed shapes, no host sync."""
-    r = ids.shape[0]
-    row = torch.arange(r, device=ids.device, dtype=starts.dtype)
-    group = torch.searchsorted(starts[1:].contiguous(), row, right=True)
-    same_next = torch.zeros(r, dtype=torch.bool, device=ids.device)
-    same_next[:-1] = group[1:] == group[:-1]
-    match = same_next & (ids.roll(-1).long() == packed[:, 0])
-    stop_row = torch.where(match, torch.full_like(row, r), row).long()
-    first = torch.full((r + 1,), r, dtype=torch.int64, device=ids.device)
-    first = first.scatter_reduce(0, group.long(), stop_row, reduce="amin", include_self=True)
-    return torch.cat([packed.reshape(-1), first])
 
 
 def verify_row_buckets(max_num_seqs: int, num_drafts: int) -> list[int]:
@@ -172,7 +136,7 @@ class VerifyGraphs:
         #: work captured at the end of the greedy lane's graphs, set before the warm-up:
         #: the async token buffer's storage (last, shift), set before the warm-up: the lane's
         #: graphs then gather a planned step's placeholder ids and shift its positions
-        #: themselves (`feed_placeholders`), from host ids and buffer indices in the step's copy
+        #: themselves (``ops.feed_placeholders``), from host ids and buffer indices in the step's copy
         self.token_storage: tuple[torch.Tensor, torch.Tensor] | None = None
         #: work captured at the end of the lane's graphs (needs ``token_storage``), set before
         #: the warm-up: ``tail(meta, streams, packed, greedy, n_groups, row_shift)`` -> tensors
@@ -195,18 +159,20 @@ class VerifyGraphs:
 
     def _body_greedy(self, arg: Any) -> tuple:
         """The lane's graph: ``arg`` a step's meta, or (meta, n_groups, src) fed from the
-        token buffer (`feed_placeholders`), then the ``tail`` if there is one."""
+        token buffer (``ops.feed_placeholders``), then the ``tail`` if there is one."""
         fast = self.fast
         meta, n_groups, src = arg if isinstance(arg, tuple) else (arg, None, None)
         row_shift = None
         if n_groups is not None:
-            ids, positions, row_shift = feed_placeholders(*self.token_storage, meta.ids, meta.positions, src)
+            ids, positions, row_shift = fast.ops.feed_placeholders(*self.token_storage, meta.ids, meta.positions, src)
             meta = dataclasses.replace(meta, ids=ids, positions=positions)
         capture = dict.fromkeys(self.layers) if self.layers else None
         streams, logits = fast.program.verify(fast.model, fast.batch_of(meta), fast.cache, capture)
-        packed = torch.empty(logits.shape[0], 2, dtype=torch.int64, device=logits.device)
+        r = logits.shape[0]
+        greedy = torch.empty(3 * r + 1, dtype=torch.int64, device=logits.device)
+        packed = greedy[:2 * r].view(r, 2)  # the rows' (argmax, log-prob bits), in place at the result's head
         fast.ops.argmax_logsumexp(logits, packed=packed)
-        greedy = greedy_verify_packed(meta.ids, packed, meta.starts)
+        fast.ops.greedy_verify(meta.ids, packed, meta.starts, out=greedy)
         if n_groups is None:
             return streams, capture or {}, greedy
         tail = self.tail(meta, streams, packed, greedy, n_groups, row_shift) if self.tail is not None else None
@@ -354,6 +320,5 @@ class VerifyGraphs:
         return VerifyStep(streams[:n], result, rows, tail, row_shift)
 
 
-__all__ = ["GREEDY_LOGITS_BYTES", "GREEDY_MAX_ROWS", "VerifyGraphs", "VerifyStep", "feed_placeholders",
-           "greedy_lane_max_rows",
-           "greedy_verify_packed", "verify_row_buckets", "verify_shapes"]
+__all__ = ["GREEDY_LOGITS_BYTES", "GREEDY_MAX_ROWS", "VerifyGraphs", "VerifyStep", "greedy_lane_max_rows",
+           "verify_row_buckets", "verify_shapes"]
