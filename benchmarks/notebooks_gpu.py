@@ -4,11 +4,11 @@
     PYTHONPATH=. python3 benchmarks/notebooks_gpu.py [--out DIR] [--only 01,02] [--ckpt /tmp/deepinfer-mini]
 
 Each notebook runs in a fresh kernel with its tagged parameters cell overridden
-(``deepinfer.workbench.execute.run_notebook``): the engine notebooks (01-03, 06) on the
-`mini` checkpoint (random bf16 weights, written first, as benchmarks/mini_sweep.py does),
-07 and 08 on their own tiny models, all with ``DEVICE="nvidia"`` and ``DTYPE="bfloat16"``;
-05 gets the GPUs only when there are two or more (else its gloo ranks stay on the CPU);
-04 has no parameters cell (speculative decoding issue) and runs as it is. Correctness
+(``deepinfer.workbench.execute.run_notebook``): the engine notebooks (01-03, 06, and 09's
+server) on the `mini` checkpoint (random bf16 weights, written first, as
+benchmarks/mini_sweep.py does), 04 on the trained default and its DSpark twin, 07 and 08 on
+their own tiny models, all with ``DEVICE="nvidia"`` and ``DTYPE="bfloat16"``; 05 gets the
+GPUs only when there are two or more (else its gloo ranks stay on the CPU). Correctness
 first: a notebook passes only when every cell, its assert cells included, ran. Then the
 wall time per notebook, a short table, and the full JSON (commit, hardware, per-notebook
 result, ``targets``) plus the executed notebooks under ``--out`` (default $OUT or
@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 from deepinfer.profiling.records import device_name, git_commit, hardware_name  # noqa: E402
 from deepinfer.workbench.execute import run_notebook  # noqa: E402
 
-ENGINE_NOTEBOOKS = ("01", "02", "03", "06")
+ENGINE_NOTEBOOKS = ("01", "02", "03", "06", "09")
 
 
 def params_for(stem: str, ckpt: str, gpus: int, smoke: bool = False) -> dict:
@@ -43,11 +43,11 @@ def params_for(stem: str, ckpt: str, gpus: int, smoke: bool = False) -> dict:
     num = stem[:2]
     if num in ENGINE_NOTEBOOKS:
         return {"MODEL": ckpt, **gpu}
-    if num in ("07", "08"):
+    if num in ("04", "07", "08"):
         return gpu
     if num == "05":
         return gpu if gpus >= 2 else {}
-    return {}  # 04: no parameters cell
+    return {}
 
 
 def write_record(out: Path, dev: torch.device, gpus: int, ckpt: str, results: list[dict]) -> str:
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         write_tiny_checkpoint(args.ckpt, seed=0, cfg=mini_config(smoke=args.cpu_smoke),
                               dtype=torch.float32 if args.cpu_smoke else torch.bfloat16)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
-    paths = [p for p in sorted((REPO / "notebooks").glob("0[1-8]_*.ipynb")) if not only or p.name[:2] in only]
+    paths = [p for p in sorted((REPO / "notebooks").glob("0[1-9]_*.ipynb")) if not only or p.name[:2] in only]
     gpus = torch.cuda.device_count()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results: list[dict] = []
