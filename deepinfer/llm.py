@@ -57,10 +57,12 @@ class LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        """Stop the engine's processes, where it has any (the multi-rank driver)."""
-        shutdown = getattr(self.engine, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Release the engine: its device memory (model, KV cache, graphs) in one process, its
+        rank processes for the multi-rank driver. The LLM generates nothing afterwards."""
+        self.engine.shutdown()
 
     # the core's parts are the client's: llm.scheduler, llm.runner, llm.config = ... (sweeps)
     def __getattr__(self, name: str) -> Any:
@@ -88,6 +90,7 @@ class LLM:
         core = self.engine
         if getattr(core, "runs_whole_calls", False):  # the multi-rank driver: its ranks step in lockstep
             return core.generate(prompts, sampling_params, prompt_token_ids, use_tqdm=use_tqdm)
+        core.check_open()
         # the whole call validated before anything is queued (deepinfer/engine/admission.py)
         items, params = admit_generate(core, prompts, sampling_params, prompt_token_ids)
         ids: list[str] = []

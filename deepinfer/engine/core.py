@@ -17,7 +17,9 @@ stop strings, deltas) is `deepinfer.engine.output_processor`.
 
 from __future__ import annotations
 
+import gc
 import time
+
 import torch
 
 from deepinfer.config import EngineConfig
@@ -133,12 +135,39 @@ class EngineCore:
             from deepinfer.engine.async_engine import AsyncStepLoop
             self.async_loop = AsyncStepLoop(self)
 
+    #: set by :meth:`shutdown`: the engine has released its device memory and serves nothing
+    closed: bool = False
+
+    def shutdown(self) -> None:
+        """Release what the engine holds on its device (model, KV cache, CUDA graphs, the token
+        and grammar buffers) and stop its grammar workers, so that another engine can be built
+        in this process (``with LLM(...) as llm:`` calls this on exit). Idempotent; the engine
+        takes no request afterwards."""
+        if self.closed:
+            return
+        self.closed = True
+        pool = getattr(self.structured, "_pool", None)
+        if pool is not None:
+            pool.shutdown()
+        for name in ("async_loop", "runner", "kv_cache", "model", "structured"):
+            setattr(self, name, None)
+        gc.collect()  # the runner, graphs and cache refer to each other
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # back to the driver: the next engine sizes its KV cache from what is free
+
+    def check_open(self) -> None:
+        """Raise a clear error once the engine was shut down (before a call queues anything)."""
+        if self.closed:
+            raise RuntimeError("this engine was shut down (LLM.shutdown / the end of its `with` block): "
+                               "build a new LLM to generate again")
+
     # ---- the four verbs ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                     prompt: str | None = None, stream: bool = False, stream_text: bool = True) -> Request:
         """Queue one request whose inputs were checked (`deepinfer.engine.admission.admit_generate`);
         ``sampling_params`` already resolved with ``for_request()`` (a concrete seed). ``stream``:
         a delta every step; ``stream_text=False``: deltas without text (the client decodes them)."""
+        self.check_open()
         req = Request(request_id, prompt_token_ids, sampling_params, eos_token_id=self.eos_token_id)
         self.outputs.add(req, prompt, stream, stream_text)
         try:
@@ -154,6 +183,7 @@ class EngineCore:
     def step(self) -> list[StreamDelta]:
         """One engine step: schedule -> execute -> update -> grammars / detokenize / stop strings.
         Returns a delta per streamed request the step touched and per finished request."""
+        self.check_open()
         if self.async_loop is not None:  # schedules step N+1 before step N's update
             return self.async_loop.step()
         t_start = time.perf_counter()
