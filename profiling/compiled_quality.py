@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import math
 import os
 import sys
@@ -30,6 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from deepinfer.models.default_model import resolve_model  # noqa: E402
 from deepinfer.models.fast.prefill import prefill_ops  # noqa: E402
+from deepinfer.profiling.records import save_json  # noqa: E402
 from deepinfer.models.v4.fast.prefill import PrefillPath  # noqa: E402
 from deepinfer.models.loader import load_model  # noqa: E402
 from deepinfer.models.paged_batch import ForwardBatch, SeqMeta  # noqa: E402
@@ -91,11 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.empty_cache()
     out["targets"] = [{"name": f"compiled CE within 1% of the reference ({r['dtype']})", "value": round(r["rel_diff"], 6),
                        "target": 0.01, "met": r["rel_diff"] <= 0.01} for r in out["rows"]]
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"compiled_quality_{'h200' if dev == 'cuda' else 'cpu'}_{out['commit'][:7]}.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print(path)
+    save_json(args.out, f"compiled_quality_{'h200' if dev == 'cuda' else 'cpu'}_{out['commit'][:7]}.json", out)
     return out
 
 

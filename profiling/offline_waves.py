@@ -12,7 +12,6 @@ under async scheduling and the sync loop, so the slow steps get a name.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import subprocess
@@ -28,6 +27,7 @@ import torch  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.models.tiny import mini_config, tiny_config, write_tiny_checkpoint  # noqa: E402
+from deepinfer.profiling.records import save_json  # noqa: E402
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -100,12 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
             kinds = " ".join(f"{k}:{v['steps']}@{v['mean_ms']:.2f}" for k, v in r["kinds"].items())
             print(f"{mode:<6} {name[6:]:>5} {r['tok_s']:>8.0f} {r['steps']:>5} {r['wall_ms_per_step']:>8.3f}  "
                   f"{kinds}  {r['fast_path']}")
-    os.makedirs(args.out, exist_ok=True)
     tag = "h200" if "H200" in hw else ("cpu" if hw == "cpu" else hw.replace(" ", "_").lower())
-    path = os.path.join(args.out, f"offline_waves_{tag}_{commit}.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print(path)
+    save_json(args.out, f"offline_waves_{tag}_{commit}.json", out)
     return out
 
 

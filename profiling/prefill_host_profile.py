@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.models.tiny import mini_config, tiny_config, write_tiny_checkpoint  # noqa: E402
+from deepinfer.profiling.records import save_json  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -88,12 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
            "generate_ms_p50": 1000 * statistics.median(walls), "ttft_ms_p50": 1000 * statistics.median(ttfts),
            "prefill_launches": counts, "cprofile": tables}
     print(json.dumps({k: v for k, v in out.items() if k != "cprofile"}, indent=1))
-    os.makedirs(args.out, exist_ok=True)
     tag = "_".join(filter(None, ["h200" if "H200" in hw else "cpu", out["commit"], str(args.tokens)]))
-    path = os.path.join(args.out, f"prefill_host_profile_{tag}.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print(path)
+    save_json(args.out, f"prefill_host_profile_{tag}.json", out)
     return out
 
 

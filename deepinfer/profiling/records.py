@@ -97,6 +97,17 @@ def run_metadata(llm: Any, **extra: Any) -> dict[str, Any]:
     return meta
 
 
+def save_json(out_dir: str | os.PathLike[str], name: str, record: dict[str, Any]) -> str:
+    """Write one run's record as ``out_dir/name`` (indented JSON, the folder made), print and
+    return its path: the last line of every profiling script."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    print(path)
+    return path
+
+
 def write_results(df: pd.DataFrame, meta: dict[str, Any], figures: dict[str, Any], out_dir: str, name: str,
                   png: bool = False) -> dict[str, str]:
     """Write CSV, JSON and chart HTML, and PNG when ``png`` (opt-in: kaleido starts a headless
