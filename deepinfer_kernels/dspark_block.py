@@ -23,13 +23,13 @@ from ._common import check_device, dtype_code, interpreting, next_pow2, round_to
 
 
 @triton.jit(do_not_specialize=["V", "D", "RANK"])
-def _dspark_block_kernel(prev_ptr, logits_ptr, h_ptr, w1_ptr, w2_ptr, wc_ptr, temp_ptr, out_ptr, V, D, RANK,
+def _dspark_block_kernel(prev_ptr, stride_prev, logits_ptr, h_ptr, w1_ptr, w2_ptr, wc_ptr, temp_ptr, out_ptr, V, D, RANK,
                          N: tl.constexpr, G: tl.constexpr, CODE: tl.constexpr, INTERP: tl.constexpr,
                          BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0)
     ks = tl.arange(0, BLOCK_K)
     k_ok = ks < RANK
-    prev = tl.load(prev_ptr + r).to(tl.int64)
+    prev = tl.load(prev_ptr + r * stride_prev).to(tl.int64)
     for j in tl.static_range(N):
         e = tl.load(w1_ptr + prev * RANK + ks, mask=k_ok, other=0.0).to(tl.float32)
         row = (r * G + j).to(tl.int64)
@@ -65,7 +65,7 @@ def _dspark_block_kernel(prev_ptr, logits_ptr, h_ptr, w1_ptr, w2_ptr, wc_ptr, te
 
 def dspark_greedy_block(prev: torch.Tensor, logits: torch.Tensor, h: torch.Tensor, w1: torch.Tensor,
                         w2: torch.Tensor, wc: torch.Tensor, temperatures: torch.Tensor, n: int) -> torch.Tensor:
-    """``prev`` [R] the blocks' last tokens, ``logits`` [R, G, V] float32 (no Markov bias yet),
+    """``prev`` [R] the blocks' last tokens (any stride: a column of the draft inputs), ``logits`` [R, G, V] float32 (no Markov bias yet),
     ``h`` [R, G, D] the last stage's normed hidden, ``w1`` / ``w2`` [V, rank] the Markov tables,
     ``wc`` [1, D + rank] the confidence projection, ``temperatures`` [>= n] float32 (device):
     packed [R, 2n] int64, the n greedy drafts then their confidences' float32 bits."""
@@ -81,7 +81,7 @@ def dspark_greedy_block(prev: torch.Tensor, logits: torch.Tensor, h: torch.Tenso
     out = torch.empty(r, 2 * n, dtype=torch.int64, device=logits.device)
     if r:
         block_k = next_pow2(rank)
-        _dspark_block_kernel[(r,)](prev, logits, h.contiguous(), w1.contiguous(), w2.contiguous(), wc.contiguous(),
+        _dspark_block_kernel[(r,)](prev, prev.stride(0), logits, h.contiguous(), w1.contiguous(), w2.contiguous(), wc.contiguous(),
                                    temperatures, out, v, d, rank, N=n, G=g, CODE=dtype_code(w2.dtype),
                                    INTERP=interpreting(), BLOCK_V=max(16, min(256, 8192 // block_k)),
                                    BLOCK_K=block_k, BLOCK_D=min(1024, next_pow2(d)), num_warps=4)

@@ -28,7 +28,7 @@ def test_dspark_greedy_block_matches_torch(fresh_seed: int, dtype: torch.dtype, 
     w2 = torch.randn(v, rank, generator=gen_).to(dtype).to(DEVICE)
     wc = (torch.randn(1, d + rank, generator=gen_) * 0.2).to(dtype).to(DEVICE)
     temps = (torch.rand(g, generator=gen_) + 0.5).to(DEVICE)
-    prev = torch.randint(0, v, (r,), generator=gen_).to(DEVICE)
+    prev = torch.randint(0, v, (r, 3), generator=gen_).to(DEVICE)[:, 1]  # a column, as the draft inputs give it
     got = dspark_greedy_block(prev, logits, h, w1, w2, wc, temps, n)
     want = dspark_greedy_block_ref(prev, logits, h, w1, w2, wc, temps, n)
     assert got.shape == want.shape == (r, 2 * n)
