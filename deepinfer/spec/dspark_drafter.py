@@ -215,9 +215,6 @@ class DSparkDrafter(Drafter):
             return False
         self._n_graph = min(self.k, self.gamma)
         self._rotary = device_rotary(self.model.rotary_main, self.model.embed.weight.device)
-        # the confidence temperatures on the device, before any capture (graphs copy nothing from the host)
-        self._temperatures_dev = torch.tensor(self.temperatures, dtype=torch.float32,
-                                              device=self.model.embed.weight.device)
         hidden = self.family.dspark_stages_hidden()  # the family's compiled pass of its stages
         cols = N_COLS + self.cfg.sliding_window - 1
         graphs = DraftGraphs(lambda inp, greedy_only: self._graph_body(hidden, inp, greedy_only), cols,
@@ -243,8 +240,7 @@ class DSparkDrafter(Drafter):
                    self._rotary)
         logits = self.model.head(h).float()
         return sample_block(inp, logits.view(R, G, -1), h.view(R, G, -1), self.stages[-1], self.temperatures,
-                            self._n_graph, greedy_only, lambda z, st: sample_draft(z, st, self.sampler),
-                            self.fast_ops, self._temperatures_dev)
+                            self._n_graph, greedy_only, lambda z, st: sample_draft(z, st, self.sampler))
 
     def _propose_graphed(self, last_tokens: list[int], last_pos: list[int], tables: list[list[int]],
                          params: list) -> list[Draft]:

@@ -72,17 +72,12 @@ def block_sampling(inp: torch.Tensor, j: int, greedy_only: bool) -> SamplingTens
 
 
 def sample_block(inp: torch.Tensor, logits: torch.Tensor, h: torch.Tensor, last_stage: Any,
-                 temperatures: list[float], n: int, greedy_only: bool, sample: Callable,
-                 ops: Any = None, temperatures_dev: torch.Tensor | None = None
+                 temperatures: list[float], n: int, greedy_only: bool, sample: Callable
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sequential sampling of n drafts per block: logits [R, gamma, V] (no Markov bias yet),
     h [R, gamma, D] -> (packed [R, 2n] int64: the tokens, then the confidences' float32 bits;
-    q [R, n, V] or None when ``greedy_only``). A greedy-only block with the fast path's
-    ``ops`` and the temperatures on the device runs as one launch (``ops.dspark_greedy_block``)."""
+    q [R, n, V] or None when ``greedy_only``)."""
     markov, head = last_stage.markov_head, last_stage.confidence_head
-    dense = [lin._parameters.get("weight") for lin in (markov.markov_w1, markov.markov_w2, head.proj)]
-    if greedy_only and ops is not None and temperatures_dev is not None and all(w is not None for w in dense):
-        return ops.dspark_greedy_block(inp[:, 0], logits.contiguous(), h, *dense, temperatures_dev, n), None
     prev = inp[:, 0]
     toks, confs, qs = [], [], []
     for j in range(n):
