@@ -8,9 +8,9 @@
   draft is read at, and the record a plan made ahead reads (bonus token, first draft,
   shift) scattered into the token buffer.
 
-Why kernels: as torch ops these are ~45 launches of 1-2 us each (arange, searchsorted,
-roll, where, scatter_reduce, cat, gathers, index_put) in a speculative step that at batch
-1 is otherwise ~300 launches of model work, so they cost a tenth of the step.
+Why kernels: as torch ops these are dozens of tiny launches (arange, searchsorted, roll,
+where, scatter_reduce, cat, gathers, index_put) beside a few hundred of model work in a
+batch-1 speculative step, whose time is launches, not bytes (counts: the session note).
 The ``*_ref`` functions are the torch definitions (CPU, and the tests' oracle).
 """
 

@@ -359,7 +359,7 @@ def test_greedy_lane_verification_equals_rejection_sampling(case, fresh_seed):
     import random
 
     from deepinfer.engine.sampler import pack_greedy
-    from deepinfer_kernels.spec_lane import greedy_verify_ref as greedy_verify_packed
+    from deepinfer_kernels.spec_lane import greedy_verify_ref
     from deepinfer.spec.verify import greedy_verify_result
 
     g, rng = torch.Generator().manual_seed(fresh_seed + case), random.Random(fresh_seed + case)
@@ -379,7 +379,7 @@ def test_greedy_lane_verification_equals_rejection_sampling(case, fresh_seed):
     starts = torch.tensor(offsets + list(range(m, rows)) + [rows] * (rows + 1 - len(ks) - (rows - m)),
                           dtype=torch.int32)
     lp = torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0]
-    got = greedy_verify_result(greedy_verify_packed(ids, pack_greedy(tok, lp), starts), offsets, ks, rows)
+    got = greedy_verify_result(greedy_verify_ref(ids, pack_greedy(tok, lp), starts), offsets, ks, rows)
     drafts = torch.cat([torch.cat([ids[s + 1:s + k + 1].long(), torch.tensor([-1])]) for s, k in zip(offsets, ks)])
     params = SamplingTensors.from_params([SamplingParams(temperature=0)] * m, list(range(m)))
     want = rejection_sample(logits[:m], params, ks, drafts)

@@ -273,7 +273,7 @@ def test_feed_placeholders_equals_the_token_buffers_fill():
     from deepinfer.engine.outputs import ScheduledRequest, SchedulerOutput
     from deepinfer.engine.request import PLACEHOLDER_TOKEN_ID
     from deepinfer.engine.token_buffer import DeviceTokenBuffer
-    from deepinfer_kernels.spec_lane import feed_placeholders_ref as feed_placeholders
+    from deepinfer_kernels.spec_lane import feed_placeholders_ref
     from deepinfer.models.paged_batch import ForwardBatch
 
     gen = torch.Generator().manual_seed(11)
@@ -297,8 +297,8 @@ def test_feed_placeholders_equals_the_token_buffers_fill():
     src = torch.full((len(ids),), -1, dtype=torch.int32)
     src[rows] = torch.tensor(index, dtype=torch.int32)
     host_ids = torch.tensor(ids, dtype=torch.int32).clamp(min=0)
-    fed, pos, row_shift = feed_placeholders(buf.last, buf.shift, host_ids, torch.tensor(positions, dtype=torch.int32),
-                                            src)
+    fed, pos, row_shift = feed_placeholders_ref(buf.last, buf.shift, host_ids,
+                                                torch.tensor(positions, dtype=torch.int32), src)
     assert fed.tolist() == batch.input_ids.tolist() and pos.tolist() == batch.positions.tolist()
     assert row_shift.tolist() == batch.position_shift.tolist() and any(row_shift.tolist())
 

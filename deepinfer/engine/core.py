@@ -146,9 +146,7 @@ class EngineCore:
         if self.closed:
             return
         self.closed = True
-        pool = getattr(self.structured, "_pool", None)
-        if pool is not None:
-            pool.shutdown()
+        self.structured.shutdown()
         for name in ("async_loop", "runner", "kv_cache", "model", "structured"):
             setattr(self, name, None)
         gc.collect()  # the runner, graphs and cache refer to each other

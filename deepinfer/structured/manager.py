@@ -85,6 +85,11 @@ class StructuredOutputManager:
             self._buffers = BitmaskBuffers(self.vocab_size, self.device, self.max_rows)
         return self._pool
 
+    def shutdown(self) -> None:
+        """Stop the grammar workers (their queued compilations are cancelled)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+
     # ----------------------------------------------------------- admission
     def trigger_ids(self, spec: StructuredOutputSpec) -> tuple[int, ...] | None:
         """The trigger as token ids (a text trigger is tokenized without BOS)."""
