@@ -40,12 +40,13 @@ def test_w8a8_matches_reference(fresh_seed: int, t, h, inter, e, k, block) -> No
 
 def test_w8a8_is_the_fp8_moe_up_to_activation_rounding(fresh_seed: int) -> None:
     """The same experts as the weight-only kernel: e4m3 activations (3 mantissa bits) cost
-    a few percent of the output norm, not more (a wrong scale or expert would be ~100%)."""
+    a few percent of the output norm, not more (a wrong scale or expert would be ~100%).
+    Over 300 seeds the error is 4.7% +- 0.5% (max 6.6%): 9% sits ~8 sigma out."""
     x, q, tw, ids, _ = _fp8(fresh_seed, 12, 128, 64, 6, 3, (32, 32))
     w8a8 = fused_moe_w8a8(x, *q, (32, 32), tw, ids, 10.0)
     w8a16 = fused_moe_fp8(x, *q, (32, 32), tw, ids, 10.0)
     err = rel_err(w8a8, w8a16)
-    assert 1e-4 < err < 0.06, f"w8a8 vs w8a16 relative error {err:.3e}"
+    assert 1e-4 < err < 0.09, f"w8a8 vs w8a16 relative error {err:.3e}"
 
 
 def test_remote_experts_add_nothing(fresh_seed: int) -> None:
