@@ -100,18 +100,27 @@ def test_empty_and_reset_and_hooks() -> None:
 
 
 def test_recording_is_cheap_for_a_large_batch() -> None:
+    """record_step stays well under a millisecond-scale budget at 256 requests and does not
+    grow with the history it keeps. Each step is timed alone and the fastest of a window is
+    compared: a mean over the window also counts garbage-collector passes over the whole
+    test process's heap and other workers taking the CPU (CI once measured a 33 ms mean
+    for a step that takes 0.3 ms)."""
     m = MetricsCollector()
     reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=1000)) for i in range(256)]
     for r in reqs:
         _advance(r, 3, 5)
     so = SchedulerOutput([_sched(r, 1) for r in reqs], num_batched_tokens=256)
-    start = time.perf_counter()
-    for _ in range(20):
+    times: list[float] = []
+    for _ in range(200):
         for r in reqs:
             r.append_output_token(5)
+        start = time.perf_counter()
         m.record_step(so, reqs, time.perf_counter())
-    per_step = (time.perf_counter() - start) / 20
-    assert per_step < 0.02, f"record_step took {per_step * 1e3:.2f} ms for 256 requests"
+        times.append(time.perf_counter() - start)
+    first, last = min(times[:20]), min(times[-20:])
+    assert first < 0.02, f"record_step took {first * 1e3:.2f} ms for 256 requests"
+    assert last < 4 * first, f"record_step grew with history: {first * 1e3:.2f} -> {last * 1e3:.2f} ms"
+    assert m.num_steps == 200 and m.summary()["output_tokens"] == 256 * 201
 
 
 def test_engine_feeds_metrics(tiny_llm) -> None:
