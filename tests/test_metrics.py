@@ -100,11 +100,10 @@ def test_empty_and_reset_and_hooks() -> None:
 
 
 def test_recording_is_cheap_for_a_large_batch() -> None:
-    """record_step stays well under a millisecond-scale budget at 256 requests and does not
-    grow with the history it keeps. Each step is timed alone and the fastest of a window is
-    compared: a mean over the window also counts garbage-collector passes over the whole
-    test process's heap and other workers taking the CPU (CI once measured a 33 ms mean
-    for a step that takes 0.3 ms)."""
+    """record_step at 256 requests stays under 20 ms and does not grow with the history it
+    keeps. Each step is timed alone and the fastest of a window compared: a mean over the
+    window also counts garbage-collector passes over the test process's heap and other
+    workers taking the CPU, which once failed CI for a step far below the bound."""
     m = MetricsCollector()
     reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=1000)) for i in range(256)]
     for r in reqs:
