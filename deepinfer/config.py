@@ -52,6 +52,7 @@ _ENV_FIELDS: dict[str, str] = {
     "DEEPINFER_ENABLE_MTP_VARLEN": "enable_mtp_varlen",
     "DEEPINFER_CPU_THREADS": "cpu_threads",
     "DEEPINFER_ASYNC_SCHEDULING": "async_scheduling",
+    "DEEPINFER_WARMUP_REQUESTS": "warmup_requests",
 }
 
 
@@ -134,6 +135,9 @@ class EngineConfig:
     enable_mtp_varlen: bool = False
     #: plan step N+1 while step N runs (deepinfer/engine/async_engine.py); False = synchronous loop
     async_scheduling: bool = True
+    #: serve two throwaway requests at start so the first generate() runs warm
+    #: (deepinfer/engine/start_warmup.py); None = yes on a GPU, no on the CPU
+    warmup_requests: bool | None = None
     #: field -> where its value came from ("default", "kwarg", "env VAR", "derived").
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
@@ -232,8 +236,9 @@ class EngineConfig:
                      f"already in use ({info[1] - info[0]} of {info[1]} bytes, torch.cuda.mem_get_info)", gmu)
         check_int("num_kv_blocks", 1, optional=True)
         check_int("cpu_threads", 1, optional=True)
-        if self.cpu_dense_weights is not None and not isinstance(self.cpu_dense_weights, bool):
-            fail("cpu_dense_weights", "True, False or None (auto)", self.cpu_dense_weights)
+        for name in ("cpu_dense_weights", "warmup_requests"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                fail(name, "True, False or None (auto)", getattr(self, name))
         check_int("block_size", 1)
         if self.block_size & (self.block_size - 1):
             fail("block_size", "a power of two >= 1", self.block_size)

@@ -129,6 +129,9 @@ _DECLARED: tuple[EnvVar, ...] = (
            "int >= 1: torch intra-op threads on CPU (default: 1 for small models)"),
     EnvVar("DEEPINFER_ASYNC_SCHEDULING", "bool", _bool, True,
            "0|1|true|false (default 1): plan step N+1 while step N runs on the device"),
+    EnvVar("DEEPINFER_WARMUP_REQUESTS", "bool", _bool, None,
+           "0|1|true|false (default: 1 on a GPU, 0 on the CPU): serve two throwaway requests at start "
+           "so the first generate() runs warm (like SGLang's server warm-up; 0 = skip it)"),
     EnvVar("DEEPINFER_CACHE_DIR", "path", _path, None,
            "where the embedded default checkpoint is written (default ~/.cache/deepinfer)",
            default_factory=_default_cache_dir),

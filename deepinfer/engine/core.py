@@ -17,6 +17,7 @@ stop strings, deltas) is `deepinfer.engine.output_processor`.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import time
 
@@ -30,6 +31,7 @@ from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.output_processor import OutputProcessor, StreamDelta
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer.engine.start_warmup import warm_engine_loop
 from deepinfer.metrics import MetricsCollector
 from deepinfer.models.bounded_replay import ReplayConfig
 from deepinfer.models.default_model import resolve_model
@@ -59,6 +61,8 @@ class EngineCore:
         self.init_tokenizer()
         self.init_cache_and_scheduler()
         self.outputs = OutputProcessor(self.tokenizer)
+        #: how many throwaway requests the start served (deepinfer/engine/start_warmup.py)
+        self.warmup_requests_served = self.warm_up()
 
     # ---- construction ----------------------------------------------------------------
     def init_model(self) -> None:
@@ -135,6 +139,24 @@ class EngineCore:
             from deepinfer.engine.async_engine import AsyncStepLoop
             self.async_loop = AsyncStepLoop(self)
 
+    def warm_up(self) -> int:
+        """The last start-up step, where ``warmup_requests`` (default: on a GPU) asks for it:
+        throwaway requests through the whole loop, then the start-up heap (model, cache,
+        graphs, imported modules) frozen out of the cyclic garbage collector's passes, which
+        otherwise walk it again in every full collection while serving (``gc.freeze``, as
+        vLLM does after start-up; :meth:`shutdown` unfreezes). Returns the requests served."""
+        on = self.config.warmup_requests
+        if not (self.device.type == "cuda" if on is None else on):
+            return 0
+        served = warm_engine_loop(self)
+        gc.collect()
+        gc.freeze()
+        # at exit too: frozen objects are never finalized, and extension modules (Triton's
+        # nanobind bindings) then report them as leaked
+        atexit.unregister(gc.unfreeze)
+        atexit.register(gc.unfreeze)
+        return served
+
     #: set by :meth:`shutdown`: the engine has released its device memory and serves nothing
     closed: bool = False
 
@@ -149,6 +171,7 @@ class EngineCore:
         self.structured.shutdown()
         for name in ("async_loop", "runner", "kv_cache", "model", "structured"):
             setattr(self, name, None)
+        gc.unfreeze()  # what warm_up froze (this engine's and others'): collectable again
         gc.collect()  # the runner, graphs and cache refer to each other
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # back to the driver: the next engine sizes its KV cache from what is free

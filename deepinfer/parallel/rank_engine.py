@@ -121,6 +121,11 @@ class RankEngineCore(EngineCore):
         super().__init__(model, tokenizer, **kwargs)
 
     # ---- construction ----------------------------------------------------------------
+    def warm_up(self) -> int:
+        """No throwaway requests on a rank: each of its steps runs collectives with its peers,
+        which a rank-local warm-up would start out of step with them."""
+        return 0
+
     def init_model(self) -> None:
         super().init_model()
         if self.expert_parallel:
