@@ -73,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="check this script on a CPU: tiny-width mini, DEVICE=cpu, float32 (records nothing)")
     args = parser.parse_args(argv)
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    known = sorted(p.name[:2] for p in (REPO / "notebooks").glob("0[1-9]_*.ipynb"))
+    unknown = [n for n in only if n not in known]
+    if unknown:
+        parser.error(f"--only {','.join(unknown)}: no such notebook; the numbers are {','.join(known)}")
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("notebooks_gpu: no CUDA device; this script records the GPU run (CPU runs are nbval's)")
         return 2
@@ -86,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
 
         write_tiny_checkpoint(args.ckpt, seed=0, cfg=mini_config(smoke=args.cpu_smoke),
                               dtype=torch.float32 if args.cpu_smoke else torch.bfloat16)
-    only = [s.strip() for s in args.only.split(",") if s.strip()]
     paths = sorted((p for p in (REPO / "notebooks").glob("0[1-9]_*.ipynb") if not only or p.name[:2] in only),
                    key=lambda p: (only.index(p.name[:2]) if only else 0, p.name))  # --only's order: a short lease runs those first
     gpus = torch.cuda.device_count()
