@@ -135,8 +135,8 @@ class EngineConfig:
     enable_mtp_varlen: bool = False
     #: plan step N+1 while step N runs (deepinfer/engine/async_engine.py); False = synchronous loop
     async_scheduling: bool = True
-    #: serve two throwaway requests at start so the first generate() runs warm
-    #: (deepinfer/engine/start_warmup.py); None = yes on a GPU, no on the CPU
+    #: at start, serve two throwaway requests through the loop and freeze the start-up heap out
+    #: of the GC (EngineCore.warm_up, deepinfer/engine/start_warmup.py); None = on a GPU only
     warmup_requests: bool | None = None
     #: field -> where its value came from ("default", "kwarg", "env VAR", "derived").
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)

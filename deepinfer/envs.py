@@ -131,7 +131,7 @@ _DECLARED: tuple[EnvVar, ...] = (
            "0|1|true|false (default 1): plan step N+1 while step N runs on the device"),
     EnvVar("DEEPINFER_WARMUP_REQUESTS", "bool", _bool, None,
            "0|1|true|false (default: 1 on a GPU, 0 on the CPU): serve two throwaway requests at start "
-           "so the first generate() runs warm (like SGLang's server warm-up; 0 = skip it)"),
+           "(like SGLang's server warm-up) and freeze the start-up heap out of the GC; 0 = skip both"),
     EnvVar("DEEPINFER_CACHE_DIR", "path", _path, None,
            "where the embedded default checkpoint is written (default ~/.cache/deepinfer)",
            default_factory=_default_cache_dir),

@@ -1,13 +1,17 @@
 """Serve throwaway requests through the whole engine loop before the first real one.
 
 The start-up warm-ups compile kernels and capture graphs (``ModelRunner.warmup``,
-``engine/prefill_warmup.py``), but a process's first ``generate()`` still pays for every
+``engine/prefill_warmup.py``), but a process's first ``generate()`` also pays for every
 host path's first run: lazy imports, the output processor's and detokenizer's first
-decode, first-use allocations in the scheduler, sampler and result copies. Decode-grid
-runs on a GPU showed it as host time per step (the first engine of a process at ~1.5x its
-second call; a second engine in the same process at ~1.04x). SGLang sends a warm-up
-request at server start for the same reason; here the engine does it itself, so the
-offline ``LLM``, the server and benchmark scripts all start warm.
+decode, first-use allocations in the scheduler, sampler and result copies. The decode grid
+(``profiling/decode_grid.py``) sees it as the first engine of a process slower on its first
+call than a second engine in the same process. SGLang sends a warm-up request at server
+start for the same reason; here the engine does it itself, so the offline ``LLM``, the
+server and the benchmark scripts all get it.
+
+It covers the loop at its own small shapes only: a first prefill of a token count no
+start-up step ran still pays first-use costs inside its matrix products
+(``profiling/first_generate_profile.py`` measures where the first call's time goes).
 
 The requests are built to leave nothing behind: prompt + output stay inside one KV block,
 so no block is ever full and none is hashed into the prefix cache; their outputs are
