@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from fastpath_bench import PrebuiltLLM, build, commit, sync  # noqa: E402
 from fastpath_check import token_ids  # noqa: E402
 
+import deepinfer.engine.prefill_warmup as prefill_warmup  # noqa: E402
 from deepinfer import SamplingParams  # noqa: E402
 from deepinfer.models.tiny import mini_config, tiny_config  # noqa: E402
 
@@ -63,7 +64,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=os.environ.get("OUT", "artifacts"))
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--no-ladder", action="store_true",
+                    help="A/B: start without the prefill warm-up's token ladder (engine/prefill_warmup.py)")
     args = ap.parse_args(argv)
+    ladder = prefill_warmup.token_ladder
+    if args.no_ladder:
+        prefill_warmup.token_ladder = lambda *a, **k: []
+    try:
+        return profile_calls(args)
+    finally:
+        prefill_warmup.token_ladder = ladder
+
+
+def profile_calls(args: argparse.Namespace) -> dict:
+    """The engine built, ``args.calls`` profiled calls, the record written and printed."""
     cfg = tiny_config(vocab_size=512, sliding_window=32, index_topk=4) if args.tiny else mini_config()
     device = "cpu" if args.tiny else "cuda"
     model = build(cfg, device)
@@ -95,13 +109,15 @@ def main(argv: list[str] | None = None) -> dict:
                    for name, (tt, nc) in first.items()), key=lambda r: -r[1])[:args.top]
     record = {"commit": commit(), "hardware": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
               "torch": torch.__version__, "init_s": round(init_s, 2),
-              "warmup_requests_served": llm.engine.warmup_requests_served, "calls": calls,
+              "warmup_requests_served": llm.engine.warmup_requests_served, "token_ladder": not args.no_ladder,
+              "calls": calls,
               "first_over_steady": round(calls[0]["wall_ms"] / calls[-1]["wall_ms"], 3),
               "grew_most": [{"function": n, "extra_ms": round(d * 1e3, 3), "calls_first": nc, "calls_steady": ns}
                             for n, d, nc, ns in grew]}
     os.makedirs(args.out, exist_ok=True)
     tag = record["hardware"].replace(" ", "_").lower()
-    path = os.path.join(args.out, f"first_generate_profile_{tag}_{record['commit'][:7]}.json")
+    variant = f"{'_noladder' if args.no_ladder else ''}{'' if record['warmup_requests_served'] else '_noreq'}"
+    path = os.path.join(args.out, f"first_generate_profile_{tag}_{record['commit'][:7]}{variant}.json")
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
     for c in calls:
@@ -109,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{k}: {v['steps']} steps mean {v['mean_ms']} first {v['first_ms']} max {v['max_ms']} ms"
             for k, v in c["steps"].items()))
     print(f"first / steady: {record['first_over_steady']}   (warm-up requests served: "
-          f"{record['warmup_requests_served']})")
+          f"{record['warmup_requests_served']}, token ladder: {record['token_ladder']})")
     for g in record["grew_most"][:15]:
         print(f"  +{g['extra_ms']:8.3f} ms  {g['calls_first']:>6} / {g['calls_steady']:<6} calls  {g['function']}")
     print(path)

@@ -222,6 +222,35 @@ def test_prefill_step_kinds_warm_on_the_engines_prefill_path(monkeypatch, fast_p
     assert warm_prefill_kinds(model, cfg, torch.device("cpu")) == ran
 
 
+def test_the_token_ladder_covers_every_token_band_the_limits_allow():
+    """The GPU warm-up's ladder of prefill token counts stops at the step budget, splits each
+    total over at most 8 new prompts (fewer when max_num_seqs is lower), and drops a total
+    whose prompts would not fit max_model_len."""
+    from deepinfer.engine.prefill_warmup import LADDER_TOKENS, token_ladder
+
+    steps = token_ladder(max_tokens=8192, max_seqs=256, max_model_len=65536)
+    totals = [sum(n for _, n, _ in kind) for kind in steps]
+    assert totals == [t for t in LADDER_TOKENS if t <= 8192] and 800 in totals
+    assert all(len(kind) == 8 and all(start == 0 and new for start, _, new in kind) for kind in steps)
+    assert [n for _, n, _ in steps[totals.index(800)]] == [100] * 8
+    two = token_ladder(max_tokens=100, max_seqs=2, max_model_len=40)
+    assert [[n for _, n, _ in kind] for kind in two] == [[24, 24], [32, 32]]  # 96 would need 48 > 40
+
+
+@pytest.mark.parametrize("family", ["v4", "v41"])
+def test_the_token_ladder_runs_on_the_prefill_path(family, monkeypatch):
+    """With the ladder on (a GPU's default) the warm-up runs its steps after the kinds, each
+    within the step budget: 4 kinds + totals 48..256 (6 steps) of 8 prompts."""
+    from deepinfer.engine.prefill_warmup import warm_prefill_kinds
+
+    monkeypatch.setenv("DEEPINFER_FAST_PREFILL", "ref")
+    cfg = EngineConfig(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256, block_size=128,
+                       accelerator="cpu")
+    model = _model() if family == "v4" else _v41_model()
+    assert warm_prefill_kinds(model, cfg, torch.device("cpu"), ladder=True) == 4 + 6
+    assert warm_prefill_kinds(model, cfg, torch.device("cpu")) == 4  # off on a CPU
+
+
 def test_the_sampler_warms_every_lane_before_the_first_generate():
     """Every prefill step samples through ``Sampler.sample`` (the decode graphs' greedy lane
     compiled only the packed reduction): each lane runs once at start on logits of the

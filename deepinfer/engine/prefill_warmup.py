@@ -15,6 +15,13 @@ The sampler of a step that is not an all-greedy graphed decode (every prefill st
 steps, sampled requests) has kernels of its own: the fused argmax / log-sum-exp reduction
 without the greedy lane's packed output is another binary than the one the decode graphs
 compiled. :func:`warm_sampler` runs each lane of ``Sampler.sample`` once on the device.
+
+On a GPU the kinds above are not enough: cuBLAS picks its GEMM kernel by the token count
+M, and CUDA loads each kernel's module on its first launch, so a first prefill at a token
+count no start-up step ran (8 prompts of 100 tokens: M = 800) pays those loads inside its
+linear layers. :func:`token_ladder` adds prefill steps over a geometric ladder of token
+counts up to the step budget, a few requests each, so the GEMM kernels of every M band
+are loaded before the first ``generate()``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,28 @@ def step_kinds(block_size: int) -> list[tuple[tuple[int, int, bool], ...]]:
             ((0, 5, True), (0, 11, True), (0, 13, True), (0, 21, True)),
             ((block_size, 33, False), (5, 1, False)),
             tuple((0, 1, True) for _ in range(16))]
+
+
+#: total tokens of the ladder's steps: every M band cuBLAS tiles differently, x1.5 / x1.33 apart
+LADDER_TOKENS = (48, 64, 96, 128, 192, 256, 384, 512, 640, 800, 1024, 1280, 1536, 2048, 2560, 3072,
+                 4096, 5120, 6144, 8192, 12288, 16384)
+
+
+def token_ladder(max_tokens: int, max_seqs: int, max_model_len: int,
+                 requests: int = 8) -> list[tuple[tuple[int, int, bool], ...]]:
+    """Step kinds of :data:`LADDER_TOKENS` up to ``max_tokens``, each total split over
+    ``min(requests, max_seqs)`` new prompts (the last takes the remainder); a total whose
+    prompts would exceed ``max_model_len`` is dropped."""
+    out = []
+    n = max(1, min(requests, max_seqs))
+    for total in LADDER_TOKENS:
+        if total > max_tokens:
+            break
+        each, rest = divmod(total, n)
+        lengths = [each] * (n - 1) + [each + rest]
+        if each >= 1 and max(lengths) <= max_model_len:
+            out.append(tuple((0, length, True) for length in lengths))
+    return out
 
 
 def _step(kind: tuple[tuple[int, int, bool], ...], block_size: int, groups: list[str],
@@ -64,15 +93,22 @@ def _zero_tensors(cache: object) -> None:
 
 
 @torch.no_grad()
-def warm_prefill_kinds(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> int:
+def warm_prefill_kinds(model: torch.nn.Module, config: EngineConfig, device: torch.device,
+                       ladder: bool | None = None) -> int:
     """Run every kind of :func:`step_kinds` once on the engine's prefill path (when it has
-    a compiled one) over a throwaway cache; returns how many ran (0: nothing to compile)."""
+    a compiled one) over a throwaway cache, then (``ladder``; default: on CUDA) the steps of
+    :func:`token_ladder`; returns how many ran (0: nothing to compile)."""
     family = family_of(model.cfg)
     if config.batch_invariant or family.prefill_executor is None:
         return 0
     mcfg, bs = model.cfg, config.block_size
     groups = family.kv_group_names(mcfg)
-    steps = [_step(kind, bs, groups, device, mcfg.vocab_size) for kind in step_kinds(bs)
+    kinds = step_kinds(bs)
+    if ladder is None:
+        ladder = device.type == "cuda"  # the kernel loads it saves are CUDA's
+    if ladder:
+        kinds += token_ladder(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len)
+    steps = [_step(kind, bs, groups, device, mcfg.vocab_size) for kind in kinds
              if max(s + n for s, n, _ in kind) <= config.max_model_len
              and sum(n for _, n, _ in kind) <= config.max_num_batched_tokens and len(kind) <= config.max_num_seqs]
     if not steps:
