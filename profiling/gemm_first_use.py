@@ -3,8 +3,8 @@
 
     PYTHONPATH=. python3 profiling/gemm_first_use.py [--tiny] [--out DIR]
 
-first_generate_profile.py found the first prefill step at M = 800 tokens ~21 ms slower in
-torch linear than the same step later, at an M no start-up step had run. The suspected
+first_generate_profile.py found the first prefill step slower in torch linear than the
+same step later, at a token count M no start-up step had run. The suspected
 cause is cuBLAS choosing another kernel for that M band and CUDA loading its module on
 first launch (lazy loading). This times ``F.linear`` over the distinct 2-D weight shapes
 of the `mini` model, one fresh process, in three phases: (1) a first call at each M of a

@@ -64,6 +64,10 @@ def _clone(store: CompressorStore) -> CompressorStore:
                            store.tail.clone() if store.tail is not None else None, store.group)
 
 
+#: elementwise tolerance of float32 rings / tails whose projections ran in the input dtype
+RING_TOL = {torch.float32: {"rtol": 1.3e-6, "atol": 1e-5}, torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-5}}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ratio,overlap,d", [(4, True, 32), (8, False, 32), (16, False, 64)])
 def test_compressor_prefill_matches_the_model(fresh_seed: int, dtype: torch.dtype, ratio: int, overlap: bool,
@@ -95,12 +99,14 @@ def test_compressor_prefill_matches_the_model(fresh_seed: int, dtype: torch.dtyp
         outs["torch batched"] = st
     batched = outs["torch batched"]  # the same projections as the fused paths: bitwise rings and tails
     for name, st in outs.items():
-        torch.testing.assert_close(st.ring, oracle.ring)  # the oracle projects per request: last-bit noise
+        # the oracle projects per request, the fused paths the whole step: the dtype's GEMM rounding
+        # (elementwise: empty ring slots hold -inf gate scores)
+        torch.testing.assert_close(st.ring, oracle.ring, **RING_TOL[dtype])
         assert_close(st.entries.float(), oracle.entries.float(), dtype)
         assert torch.equal(st.ring, batched.ring), f"{name}: ring rows differ from compress_prefill's"
         assert_close(st.entries.float(), batched.entries.float(), dtype)
         if overlap:
-            torch.testing.assert_close(st.tail, oracle.tail)
+            torch.testing.assert_close(st.tail, oracle.tail, **RING_TOL[dtype])
             assert torch.equal(st.tail, batched.tail), f"{name}: overlap tails differ from compress_prefill's"
 
 
