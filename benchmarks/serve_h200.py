@@ -55,6 +55,7 @@ import torch  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.models.tiny import mini_config, tiny_config, write_tiny_checkpoint  # noqa: E402
+from deepinfer.profiling.compiles import TritonCompiles  # noqa: E402
 from deepinfer.serve.bench import BenchConfig, run_bench, summarize  # noqa: E402
 from deepinfer.serve.launch import ServerProcess, start_server  # noqa: E402
 
@@ -87,10 +88,11 @@ def offline(ckpt: str, engine: dict, args: argparse.Namespace, vocab: int) -> di
         return step()
 
     llm.engine.step = counted
-    t = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompts_for(args.waves * args.batch, args.prompt_len, vocab, 3),
-                        sampling_params=sp, use_tqdm=False)
-    wall = time.perf_counter() - t
+    with TritonCompiles() as compiles:  # kernels the warm-up call did not compile cost the measured steps
+        t = time.perf_counter()
+        outs = llm.generate(prompt_token_ids=prompts_for(args.waves * args.batch, args.prompt_len, vocab, 3),
+                            sampling_params=sp, use_tqdm=False)
+        wall = time.perf_counter() - t
     del llm.engine.step
     tok_s = sum(len(o.token_ids) for o in outs) / wall
     t = time.perf_counter()
@@ -122,7 +124,7 @@ def offline(ckpt: str, engine: dict, args: argparse.Namespace, vocab: int) -> di
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"greedy": greedy, "saturation_tok_s": tok_s, "saturation_wall_s": wall, "burst_tok_s": burst_tok_s,
-            "mean_step_ms": 1000 * wall / steps[0],
+            "mean_step_ms": 1000 * wall / steps[0], "saturation_compiles": compiles.summary(),
             "ttft_ms_p50": 1000 * statistics.median(ttft), "tpot_ms_p50": 1000 * statistics.median(tpot),
             # low load: the first two step() calls of a lone request (the prefill's launch, then the
             # call that lands it): where its TTFT goes
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
            "offline": off, "servers": servers, "compared": compared, "targets": targets,
            "wall_s": round(time.time() - start, 1)}
     os.makedirs(args.out, exist_ok=True)
-    tag = "h200" if "H200" in hw else "cpu"
+    tag = "h200" if "H200" in hw else ("cpu" if hw == "cpu" else hw.replace(" ", "_").lower())
     path = os.path.join(args.out, f"serve_{tag}_{out['commit'][:7]}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1, default=str)

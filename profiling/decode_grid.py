@@ -46,6 +46,7 @@ from fastpath_bench import PrebuiltLLM, build, commit, sync  # noqa: E402
 from fastpath_check import token_ids  # noqa: E402
 
 from deepinfer import SamplingParams  # noqa: E402
+from deepinfer.profiling.compiles import TritonCompiles  # noqa: E402
 from deepinfer.models.tiny import mini_config, tiny_config  # noqa: E402
 
 TAIL = 32  # tokens of its own per request (at least; the prefix is whole blocks)
@@ -61,9 +62,10 @@ class Probe:
         self.llm = llm
 
     def __enter__(self) -> Probe:
-        self.gc_s, self._t, self.compiles = 0.0, 0.0, []
+        self.gc_s, self._t = 0.0, 0.0
         gc.callbacks.append(self._gc)
-        self._hook = _set_compile_hook(self.compiles.append)
+        self._compiles = TritonCompiles().__enter__()
+        self.compiles = self._compiles.names
         self.mem0 = _alloc_counters()
         loop = getattr(self.llm, "async_loop", None)
         self.loop0 = (loop.stats.steps, loop.stats.wait_s) if loop is not None else None
@@ -79,7 +81,7 @@ class Probe:
 
     def __exit__(self, *exc) -> None:
         gc.callbacks.remove(self._gc)
-        _set_compile_hook(self._hook, restore=True)
+        self._compiles.__exit__()
         mem1, loop = _alloc_counters(), getattr(self.llm, "async_loop", None)
         self.alloc = {k: mem1[k] - self.mem0[k] for k in mem1} if mem1 and self.mem0 else {}
         self.steps = self.wait_s = None
@@ -131,23 +133,6 @@ def _alloc_counters() -> dict:
     out["num_host_alloc"] = int(host.get("num_host_alloc", 0))
     out["staging_blocks"] = PinnedRing.allocations
     return out
-
-
-def _set_compile_hook(record, restore: bool = False):
-    """Install ``record(kernel name)`` as Triton's post-compile hook (returns the previous
-    hook); with ``restore``, put ``record`` (a previous hook) back. None where this Triton
-    has no such hook."""
-    try:
-        from triton import knobs
-
-        previous = knobs.runtime.jit_post_compile_hook
-    except Exception:  # no triton, or one without this hook: compiles are not counted
-        return None
-    if restore:
-        knobs.runtime.jit_post_compile_hook = record
-        return previous
-    knobs.runtime.jit_post_compile_hook = lambda *a, **k: record(getattr(k.get("fn"), "name", "?"))
-    return previous
 
 
 def _generate(llm, prompts, new: int, probe: bool = False) -> tuple[float, float, dict | None]:
@@ -210,14 +195,16 @@ def run_cell(llm, batch: int, ctx: int, new: int, seed: int) -> dict:
     runs = []
     for rep in range(2):
         prompts = [prefix + token_ids(seed * 1000 + rep * 500 + i, tail, vocab) for i in range(batch)]
-        runs.append(_generate(llm, prompts, new, probe=rep == 1))
-    (wall0, _, _), (wall1, step1, diag) = runs
+        runs.append(_generate(llm, prompts, new, probe=True))
+    (wall0, _, first), (wall1, step1, diag) = runs
     keys = diag.get("graph_keys") or [None]
     diag["graph_gpu_ms"] = graph_gpu_ms(llm, keys[0])
     diag["window_blocks"] = block_spread(llm, keys[0])
     return {"batch": batch, "context": ctx, "tok_s": round(batch / step1, 1), "step_ms": round(step1 * 1e3, 3),
             "first_call_s": round(wall0, 3), "steady_call_s": round(wall1, 3),
-            "first_over_steady": round(wall0 / wall1, 3), "diag": diag}
+            "first_over_steady": round(wall0 / wall1, 3), "diag": diag,
+            "first_call_compiles": {"compiles": first["compiles"], "compiled": first["compiled"],
+                                    "gc_ms": first["gc_ms"]}}
 
 
 def other_traffic(llm, long_len: int, mixed: int = 48, seed: int = 99) -> dict:

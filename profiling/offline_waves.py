@@ -26,6 +26,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.profiling.compiles import TritonCompiles  # noqa: E402
 from deepinfer.models.tiny import mini_config, tiny_config, write_tiny_checkpoint  # noqa: E402
 from deepinfer.profiling.records import save_json  # noqa: E402
 
@@ -52,16 +53,17 @@ def run_case(llm: LLM, n: int, args: argparse.Namespace, vocab: int, seed: int) 
     before = dict(fast.stats) if fast else {}
     llm.metrics.reset()
     sp = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
-    t = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompts(n, args.prompt_len, vocab, seed), sampling_params=sp,
-                        use_tqdm=False)
-    wall = time.perf_counter() - t
+    with TritonCompiles() as compiles:  # a kernel compiled inside the measured call costs its steps
+        t = time.perf_counter()
+        outs = llm.generate(prompt_token_ids=prompts(n, args.prompt_len, vocab, seed), sampling_params=sp,
+                            use_tqdm=False)
+        wall = time.perf_counter() - t
     df = llm.metrics.steps_df()
     after = dict(fast.stats) if fast else {}
     return {"requests": n, "wall_s": wall, "tok_s": sum(len(o.token_ids) for o in outs) / wall,
             "steps": int(len(df)), "wall_ms_per_step": 1000 * wall / max(len(df), 1),
             "step_ms_sum_over_wall": float(df.step_ms.sum() / 1000 / wall), "kinds": step_kinds(df),
-            "fast_path": {k: after[k] - before.get(k, 0) for k in after}}
+            "fast_path": {k: after[k] - before.get(k, 0) for k in after}, **compiles.summary()}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -84,8 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
     for mode in ("async", "sync"):
         os.environ["DEEPINFER_ASYNC_SCHEDULING"] = "1" if mode == "async" else "0"
         llm = LLM(ckpt, **engine)
-        run_case(llm, args.batch, args, cfg.vocab_size, 0)  # warm-up: compiles, graphs
-        results[mode] = {f"waves_{w}": run_case(llm, w * args.batch, args, cfg.vocab_size, 10 + w)
+        results[mode] = {"warmup": run_case(llm, args.batch, args, cfg.vocab_size, 0)}  # compiles, graphs
+        results[mode] |= {f"waves_{w}": run_case(llm, w * args.batch, args, cfg.vocab_size, 10 + w)
                          for w in (1, args.waves)}
         del llm
         if torch.cuda.is_available():
@@ -94,12 +96,13 @@ def main(argv: list[str] | None = None) -> dict:
     commit = os.environ.get("DEEPINFER_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip() or None
     out = {"hardware": hw, "commit": commit, "config": vars(args) | {"engine": engine}, "results": results}
-    print(f"{'mode':<6} {'waves':>5} {'tok/s':>8} {'steps':>5} {'ms/step':>8}  kinds (steps, mean ms)  fast path")
+    print(f"{'mode':<6} {'waves':>6} {'tok/s':>8} {'steps':>5} {'ms/step':>8} {'compiles':>8}  kinds (steps, mean ms)"
+          "  fast path")
     for mode, cases in results.items():
         for name, r in cases.items():
             kinds = " ".join(f"{k}:{v['steps']}@{v['mean_ms']:.2f}" for k, v in r["kinds"].items())
-            print(f"{mode:<6} {name[6:]:>5} {r['tok_s']:>8.0f} {r['steps']:>5} {r['wall_ms_per_step']:>8.3f}  "
-                  f"{kinds}  {r['fast_path']}")
+            print(f"{mode:<6} {name.removeprefix('waves_'):>6} {r['tok_s']:>8.0f} {r['steps']:>5} "
+                  f"{r['wall_ms_per_step']:>8.3f} {r['compiles']:>8}  {kinds}  {r['fast_path']}")
     tag = "h200" if "H200" in hw else ("cpu" if hw == "cpu" else hw.replace(" ", "_").lower())
     save_json(args.out, f"offline_waves_{tag}_{commit}.json", out)
     return out

@@ -237,17 +237,36 @@ def test_the_token_ladder_covers_every_token_band_the_limits_allow():
     assert [[n for _, n, _ in kind] for kind in two] == [[24, 24], [32, 32]]  # 96 would need 48 > 40
 
 
+def test_the_prefix_ladder_spans_every_table_width_class_on_a_small_cache():
+    """Prefix-hit starts double from one block up to the cap, each with a 16-divisible and an
+    odd length; the throwaway cache gives the cached prefix one shared block, so a 1M-token
+    prefix costs a handful of blocks, while the new tokens get blocks of their own."""
+    from deepinfer.engine.prefill_warmup import _step, prefix_ladder
+
+    kinds = prefix_ladder(block_size=128, max_model_len=1 << 20, max_tokens=8192)
+    starts = sorted({k[0][0] for k in kinds})
+    assert starts == [128 << i for i in range(13)] and {k[0][1] for k in kinds} == {64, 37}
+    assert starts[-1] == 1 << 19  # 1 << 20 plus new tokens would pass max_model_len
+    batch, blocks = _step(((1 << 19, 200, False),), 128, ["swa", "csa"], torch.device("cpu"), VOCAB)
+    table = batch.seqs[0].block_table["swa"]
+    assert blocks == 1 + 2  # the shared prefix block + two blocks for tokens 524288..524487
+    assert len(table) == 4096 + 2 and set(table[:4096]) == {0} and table[4096:] == [1, 2]
+    assert batch.positions[0].item() == 1 << 19 and len(batch.input_ids) == 200
+
+
 @pytest.mark.parametrize("family", ["v4", "v41"])
 def test_the_token_ladder_runs_on_the_prefill_path(family, monkeypatch):
     """With the ladder on (a GPU's default) the warm-up runs its steps after the kinds, each
-    within the step budget: 4 kinds + totals 48..256 (6 steps) of 8 prompts."""
+    within the step budget: 4 kinds + totals 48..256 (6 steps) of 8 prompts + a request
+    continuing after 128 and 256 cached tokens with 64 and 37 new ones (4 steps; 512 + 37
+    would pass max_model_len)."""
     from deepinfer.engine.prefill_warmup import warm_prefill_kinds
 
     monkeypatch.setenv("DEEPINFER_FAST_PREFILL", "ref")
     cfg = EngineConfig(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256, block_size=128,
                        accelerator="cpu")
     model = _model() if family == "v4" else _v41_model()
-    assert warm_prefill_kinds(model, cfg, torch.device("cpu"), ladder=True) == 4 + 6
+    assert warm_prefill_kinds(model, cfg, torch.device("cpu"), ladder=True) == 4 + 6 + 4
     assert warm_prefill_kinds(model, cfg, torch.device("cpu")) == 4  # off on a CPU
 
 

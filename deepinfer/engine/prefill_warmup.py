@@ -21,7 +21,8 @@ M, and CUDA loads each kernel's module on its first launch, so a first prefill a
 count no start-up step ran (8 prompts of 100 tokens: M = 800) pays those loads inside its
 linear layers. :func:`token_ladder` adds prefill steps over a geometric ladder of token
 counts up to the step budget, a few requests each, so the GEMM kernels of every M band
-are loaded before the first ``generate()``.
+are loaded before the first ``generate()``; :func:`prefix_ladder` does the same for
+prompts that continue after a prefix-cache hit, over block tables of every width class.
 """
 
 from __future__ import annotations
@@ -66,14 +67,33 @@ def token_ladder(max_tokens: int, max_seqs: int, max_model_len: int,
     return out
 
 
+def prefix_ladder(block_size: int, max_model_len: int, max_tokens: int,
+                  max_start: int = 1 << 20) -> list[tuple[tuple[int, int, bool], ...]]:
+    """One request continuing after a prefix-cache hit of ``block_size * 2**k`` tokens
+    (k = 0, 1, ... up to ``max_start``), once with 64 new tokens and once with 37 (a length
+    divisible by 16 and one that is not): the block tables of every power-of-two width
+    class and the kernels specialised on them, as a first prompt that shares a long
+    system prompt would meet them."""
+    out, start = [], block_size
+    while start <= max_start:
+        for length in (64, 37):
+            if start + length <= max_model_len and length <= max_tokens:
+                out.append(((start, length, False),))
+        start *= 2
+    return out
+
+
 def _step(kind: tuple[tuple[int, int, bool], ...], block_size: int, groups: list[str],
           device: torch.device, vocab: int) -> tuple[ForwardBatch, int]:
     """The kind's batch over a cache whose requests own consecutive blocks; (batch, blocks)."""
     seqs, ids, pos, next_block, offset = [], [], [], 0, 0
     for slot, (start, length, is_new) in enumerate(kind):
-        n_blocks = -(-(start + length) // block_size)
-        table = {g: list(range(next_block, next_block + n_blocks)) for g in groups}
-        next_block += n_blocks
+        # blocks wholly before ``start`` (a prefix-cache hit) are only read: one shared block
+        # stands for them all, so a long prefix costs the throwaway cache one block
+        n_blocks, n_prefix = -(-(start + length) // block_size), start // block_size
+        own = list(range(next_block + (n_prefix > 0), next_block + (n_prefix > 0) + n_blocks - n_prefix))
+        table = {g: [next_block] * n_prefix + own for g in groups}
+        next_block += (n_prefix > 0) + n_blocks - n_prefix
         seqs.append(SeqMeta(start, length, offset, table, slot, is_new=is_new, prompt_len=start + length))
         ids += [(7 * slot + 3 * j) % vocab for j in range(length)]
         pos += list(range(start, start + length))
@@ -97,7 +117,7 @@ def warm_prefill_kinds(model: torch.nn.Module, config: EngineConfig, device: tor
                        ladder: bool | None = None) -> int:
     """Run every kind of :func:`step_kinds` once on the engine's prefill path (when it has
     a compiled one) over a throwaway cache, then (``ladder``; default: on CUDA) the steps of
-    :func:`token_ladder`; returns how many ran (0: nothing to compile)."""
+    :func:`token_ladder` and :func:`prefix_ladder`; returns how many ran (0: nothing to compile)."""
     family = family_of(model.cfg)
     if config.batch_invariant or family.prefill_executor is None:
         return 0
@@ -108,6 +128,7 @@ def warm_prefill_kinds(model: torch.nn.Module, config: EngineConfig, device: tor
         ladder = device.type == "cuda"  # the kernel loads it saves are CUDA's
     if ladder:
         kinds += token_ladder(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len)
+        kinds += prefix_ladder(bs, config.max_model_len, config.max_num_batched_tokens)
     steps = [_step(kind, bs, groups, device, mcfg.vocab_size) for kind in kinds
              if max(s + n for s, n, _ in kind) <= config.max_model_len
              and sum(n for _, n, _ in kind) <= config.max_num_batched_tokens and len(kind) <= config.max_num_seqs]

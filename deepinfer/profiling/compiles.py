@@ -1,0 +1,57 @@
+"""Count the Triton kernels a block of code compiles (in-process JIT cache misses).
+
+A kernel launched with a specialization this process has not compiled yet (another
+constexpr, an integer argument that is now 1 or divisible by 16, another pointer
+alignment) is compiled on the spot, or loaded from Triton's disk cache when an earlier
+process on the host compiled it: hundreds of milliseconds on a fresh host, inside
+whatever step launched it. Benchmarks wrap their measured calls in
+:class:`TritonCompiles` so a slow row names the kernels that compiled in it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable
+
+
+def _knobs() -> Any:
+    """Triton's runtime knobs, or None where this Triton has no post-compile hook."""
+    try:
+        from triton import knobs
+    except Exception:  # no triton, or one older than knobs
+        return None
+    runtime = getattr(knobs, "runtime", None)
+    return runtime if runtime is not None and hasattr(runtime, "jit_post_compile_hook") else None
+
+
+class TritonCompiles:
+    """Context manager: ``names`` lists the kernel of every compile inside the block
+    (in order); the hook in place before is chained and put back on exit. ``available``
+    is False where Triton has no post-compile hook (nothing is counted)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._runtime = _knobs()
+        self.available = self._runtime is not None
+        self._previous: Callable[..., Any] | None = None
+
+    def _hook(self, *args: Any, **kwargs: Any) -> Any:
+        fn = kwargs.get("fn")
+        self.names.append(str(getattr(fn, "name", None) or getattr(fn, "__name__", "?")))
+        if self._previous is not None:
+            return self._previous(*args, **kwargs)
+        return None
+
+    def __enter__(self) -> TritonCompiles:
+        if self._runtime is not None:
+            self._previous = self._runtime.jit_post_compile_hook
+            self._runtime.jit_post_compile_hook = self._hook
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._runtime is not None:
+            self._runtime.jit_post_compile_hook = self._previous
+
+    def summary(self, top: int = 12) -> dict[str, Any]:
+        """``{"compiles": n, "compiled": {kernel: count}}`` for the ``top`` kernels compiled most."""
+        return {"compiles": len(self.names), "compiled": dict(Counter(self.names).most_common(top))}
