@@ -238,15 +238,16 @@ def test_the_token_ladder_covers_every_token_band_the_limits_allow():
 
 
 def test_the_prefix_ladder_spans_every_table_width_class_on_a_small_cache():
-    """Prefix-hit starts double from one block up to the cap, each with a 16-divisible and an
-    odd length; the throwaway cache gives the cached prefix one shared block, so a 1M-token
-    prefix costs a handful of blocks, while the new tokens get blocks of their own."""
+    """Table widths double from 2 blocks up to the cap, each as a table ending on a block
+    boundary (2**k blocks: a width divisible by 16 from 16 on, as the decode grid's first
+    b1 x 2048-token cell had) and one block past it; the throwaway cache gives the cached
+    prefix one shared block, so a 1M-token prefix costs a handful of blocks."""
     from deepinfer.engine.prefill_warmup import _step, prefix_ladder
 
     kinds = prefix_ladder(block_size=128, max_model_len=1 << 20, max_tokens=8192)
-    starts = sorted({k[0][0] for k in kinds})
-    assert starts == [128 << i for i in range(13)] and {k[0][1] for k in kinds} == {64, 37}
-    assert starts[-1] == 1 << 19  # 1 << 20 plus new tokens would pass max_model_len
+    widths = [-(-(start + n) // 128) for (start, n, new), in kinds]
+    assert widths == [w for k in range(1, 14) for w in (2 ** k, 2 ** k + 1)][:-1]  # 8193 blocks > 1M tokens
+    assert ((1920, 128, False),) in kinds and all(not new and start % 128 == 0 for (start, _, new), in kinds)
     batch, blocks = _step(((1 << 19, 200, False),), 128, ["swa", "csa"], torch.device("cpu"), VOCAB)
     table = batch.seqs[0].block_table["swa"]
     assert blocks == 1 + 2  # the shared prefix block + two blocks for tokens 524288..524487
@@ -257,16 +258,15 @@ def test_the_prefix_ladder_spans_every_table_width_class_on_a_small_cache():
 @pytest.mark.parametrize("family", ["v4", "v41"])
 def test_the_token_ladder_runs_on_the_prefill_path(family, monkeypatch):
     """With the ladder on (a GPU's default) the warm-up runs its steps after the kinds, each
-    within the step budget: 4 kinds + totals 48..256 (6 steps) of 8 prompts + a request
-    continuing after 128 and 256 cached tokens with 64 and 37 new ones (4 steps; 512 + 37
-    would pass max_model_len)."""
+    within the step budget: 4 kinds + totals 48..256 (6 steps) of 8 prompts + one request
+    continuing on tables of 2, 3, 4 blocks (3 steps; 5 blocks would pass max_model_len)."""
     from deepinfer.engine.prefill_warmup import warm_prefill_kinds
 
     monkeypatch.setenv("DEEPINFER_FAST_PREFILL", "ref")
     cfg = EngineConfig(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256, block_size=128,
                        accelerator="cpu")
     model = _model() if family == "v4" else _v41_model()
-    assert warm_prefill_kinds(model, cfg, torch.device("cpu"), ladder=True) == 4 + 6 + 4
+    assert warm_prefill_kinds(model, cfg, torch.device("cpu"), ladder=True) == 4 + 6 + 3
     assert warm_prefill_kinds(model, cfg, torch.device("cpu")) == 4  # off on a CPU
 
 

@@ -69,17 +69,18 @@ def token_ladder(max_tokens: int, max_seqs: int, max_model_len: int,
 
 def prefix_ladder(block_size: int, max_model_len: int, max_tokens: int,
                   max_start: int = 1 << 20) -> list[tuple[tuple[int, int, bool], ...]]:
-    """One request continuing after a prefix-cache hit of ``block_size * 2**k`` tokens
-    (k = 0, 1, ... up to ``max_start``), once with 64 new tokens and once with 37 (a length
-    divisible by 16 and one that is not): the block tables of every power-of-two width
-    class and the kernels specialised on them, as a first prompt that shares a long
-    system prompt would meet them."""
-    out, start = [], block_size
-    while start <= max_start:
-        for length in (64, 37):
+    """One request continuing after a prefix-cache hit, for k = 1, 2, ...: ``block_size``
+    new tokens after ``block_size * (2**k - 1)`` cached ones (a table of exactly 2**k
+    blocks) and 37 after ``block_size * 2**k`` (2**k + 1 blocks). Triton specialises a
+    kernel on integer arguments divisible by 16, and the table width is one (its row
+    stride): both kinds of width, over every power-of-two class, as a first prompt that
+    shares a long system prompt would meet them."""
+    out, blocks = [], 2
+    while block_size * blocks <= max_start:
+        for start, length in ((block_size * (blocks - 1), block_size), (block_size * blocks, 37)):
             if start + length <= max_model_len and length <= max_tokens:
                 out.append(((start, length, False),))
-        start *= 2
+        blocks *= 2
     return out
 
 
