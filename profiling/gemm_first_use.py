@@ -11,7 +11,8 @@ of the `mini` model, one fresh process, in three phases: (1) a first call at eac
 probe list before anything else ran there, against its second call; (2) the prefill
 warm-up's token ladder (engine/prefill_warmup.py) run once; (3) first calls at Ms between
 the ladder's rungs, against their second calls. If (3)'s first-call excess is small
-where (1)'s is large, the ladder loads the kernels unseen Ms need. The JSON goes to
+where (1)'s is large, the ladder loads the kernels unseen Ms need; run it again under
+``CUDA_MODULE_LOADING=EAGER`` (recorded) to tell module loads from per-shape setup. The JSON goes to
 ``--out`` as ``gemm_first_use_<hardware>_<commit>.json``.
 """
 

@@ -16,13 +16,14 @@ steps, sampled requests) has kernels of its own: the fused argmax / log-sum-exp 
 without the greedy lane's packed output is another binary than the one the decode graphs
 compiled. :func:`warm_sampler` runs each lane of ``Sampler.sample`` once on the device.
 
-On a GPU the kinds above are not enough: cuBLAS picks its GEMM kernel by the token count
-M, and CUDA loads each kernel's module on its first launch, so a first prefill at a token
-count no start-up step ran (8 prompts of 100 tokens: M = 800) pays those loads inside its
-linear layers. :func:`token_ladder` adds prefill steps over a geometric ladder of token
-counts up to the step budget, a few requests each, so the GEMM kernels of every M band
-are loaded before the first ``generate()``; :func:`prefix_ladder` does the same for
-prompts that continue after a prefix-cache hit, over block tables of every width class.
+On a GPU the kinds above are not enough. A bf16 GEMM costs extra the first time the
+process runs it at a token count M (profiling/gemm_first_use.py: per new M, with lazy and
+eager CUDA module loading alike, so it is per-shape setup, not module loads), so a first
+prefill at a token count no start-up step ran (8 prompts of 100 tokens: M = 800) pays it
+in every linear layer. :func:`token_ladder` runs prefill steps over a geometric ladder of
+common token counts up to the step budget, a few requests each; a count off the ladder
+still pays it once. :func:`prefix_ladder` runs prompts that continue after a prefix-cache
+hit, over block tables of every width class, for the Triton kernels specialised on them.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def step_kinds(block_size: int) -> list[tuple[tuple[int, int, bool], ...]]:
             tuple((0, 1, True) for _ in range(16))]
 
 
-#: total tokens of the ladder's steps: every M band cuBLAS tiles differently, x1.5 / x1.33 apart
+#: total tokens of the ladder's steps: geometric, x1.25 .. x1.5 apart (800 = 8 prompts of 100)
 LADDER_TOKENS = (48, 64, 96, 128, 192, 256, 384, 512, 640, 800, 1024, 1280, 1536, 2048, 2560, 3072,
                  4096, 5120, 6144, 8192, 12288, 16384)
 
@@ -126,7 +127,7 @@ def warm_prefill_kinds(model: torch.nn.Module, config: EngineConfig, device: tor
     groups = family.kv_group_names(mcfg)
     kinds = step_kinds(bs)
     if ladder is None:
-        ladder = device.type == "cuda"  # the kernel loads it saves are CUDA's
+        ladder = device.type == "cuda"  # what it saves is GEMM setup and Triton compiles on a GPU
     if ladder:
         kinds += token_ladder(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len)
         kinds += prefix_ladder(bs, config.max_model_len, config.max_num_batched_tokens)
