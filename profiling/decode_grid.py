@@ -93,7 +93,8 @@ class Probe:
     def summary(self, wall: float) -> dict:
         steps = self.steps or 0
         out = {"gc_ms": round(self.gc_s * 1e3, 3), "compiles": len(self.compiles),
-               "compiled": sorted(set(self.compiles))[:12], "steps": steps,
+               "compiled": sorted(set(self.compiles))[:12], "signatures": self._compiles.signatures[:6],
+               "steps": steps,
                "alloc_retries": self.alloc.get("num_alloc_retries"), "device_mallocs": self.alloc.get("num_device_alloc"),
                "device_frees": self.alloc.get("num_device_free"), "pinned_allocs": self.alloc.get("num_host_alloc"),
                "staging_blocks": self.alloc.get("staging_blocks"), "graph_keys": [list(k) for k, _ in
@@ -203,8 +204,7 @@ def run_cell(llm, batch: int, ctx: int, new: int, seed: int) -> dict:
     return {"batch": batch, "context": ctx, "tok_s": round(batch / step1, 1), "step_ms": round(step1 * 1e3, 3),
             "first_call_s": round(wall0, 3), "steady_call_s": round(wall1, 3),
             "first_over_steady": round(wall0 / wall1, 3), "diag": diag,
-            "first_call_compiles": {"compiles": first["compiles"], "compiled": first["compiled"],
-                                    "gc_ms": first["gc_ms"]}}
+            "first_call_compiles": {k: first[k] for k in ("compiles", "compiled", "signatures", "gc_ms")}}
 
 
 def other_traffic(llm, long_len: int, mixed: int = 48, seed: int = 99) -> dict:

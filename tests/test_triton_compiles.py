@@ -20,11 +20,14 @@ def test_compiles_inside_the_block_are_named_and_the_previous_hook_chained():
         with TritonCompiles() as compiles:
             assert compiles.available
             for name in ("decode_attention", "rms_norm", "decode_attention"):
-                knobs.runtime.jit_post_compile_hook(key=None, repr="", fn=SimpleNamespace(name=name), compile={},
+                knobs.runtime.jit_post_compile_hook(key=None, repr=f"{name}[num_warps=4](n: i32)",
+                                                    fn=SimpleNamespace(name=name), compile={},
                                                     is_manual_warmup=False, already_compiled=False)
         knobs.runtime.jit_post_compile_hook(fn=SimpleNamespace(name="after"))  # outside: not counted
         assert compiles.names == ["decode_attention", "rms_norm", "decode_attention"]
-        assert compiles.summary() == {"compiles": 3, "compiled": {"decode_attention": 2, "rms_norm": 1}}
+        assert compiles.summary(top=2) == {"compiles": 3, "compiled": {"decode_attention": 2, "rms_norm": 1},
+                                           "signatures": ["decode_attention[num_warps=4](n: i32)",
+                                                          "rms_norm[num_warps=4](n: i32)"]}
         assert seen == ["decode_attention", "rms_norm", "decode_attention", "after"]
     finally:
         knobs.runtime.jit_post_compile_hook = previous

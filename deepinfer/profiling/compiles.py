@@ -26,11 +26,14 @@ def _knobs() -> Any:
 
 class TritonCompiles:
     """Context manager: ``names`` lists the kernel of every compile inside the block
-    (in order); the hook in place before is chained and put back on exit. ``available``
-    is False where Triton has no post-compile hook (nothing is counted)."""
+    (in order), ``signatures`` the launch Triton compiled it for (its argument types and
+    specialisations, as Triton's hook writes them: what tells two variants apart); the
+    hook in place before is chained and put back on exit. ``available`` is False where
+    Triton has no post-compile hook (nothing is counted)."""
 
     def __init__(self) -> None:
         self.names: list[str] = []
+        self.signatures: list[str] = []
         self._runtime = _knobs()
         self.available = self._runtime is not None
         self._previous: Callable[..., Any] | None = None
@@ -38,6 +41,7 @@ class TritonCompiles:
     def _hook(self, *args: Any, **kwargs: Any) -> Any:
         fn = kwargs.get("fn")
         self.names.append(str(getattr(fn, "name", None) or getattr(fn, "__name__", "?")))
+        self.signatures.append(str(kwargs.get("repr", "")))
         if self._previous is not None:
             return self._previous(*args, **kwargs)
         return None
@@ -53,5 +57,7 @@ class TritonCompiles:
             self._runtime.jit_post_compile_hook = self._previous
 
     def summary(self, top: int = 12) -> dict[str, Any]:
-        """``{"compiles": n, "compiled": {kernel: count}}`` for the ``top`` kernels compiled most."""
-        return {"compiles": len(self.names), "compiled": dict(Counter(self.names).most_common(top))}
+        """``{"compiles": n, "compiled": {kernel: count}, "signatures": [...]}`` for the
+        ``top`` kernels compiled most, and the first ``top`` compiles' signatures."""
+        return {"compiles": len(self.names), "compiled": dict(Counter(self.names).most_common(top)),
+                "signatures": self.signatures[:top]}
