@@ -224,8 +224,8 @@ def test_prefill_step_kinds_warm_on_the_engines_prefill_path(monkeypatch, fast_p
 
 def test_the_token_ladder_covers_every_token_band_the_limits_allow():
     """The GPU warm-up's ladder of prefill token counts stops at the step budget, splits each
-    total over at most 8 new prompts (fewer when max_num_seqs is lower), and drops a total
-    whose prompts would not fit max_model_len."""
+    total over 8 new prompts, over more when max_model_len needs it, never over more than
+    max_num_seqs (a total that still does not fit is dropped)."""
     from deepinfer.engine.prefill_warmup import LADDER_TOKENS, token_ladder
 
     steps = token_ladder(max_tokens=8192, max_seqs=256, max_model_len=65536)
@@ -235,6 +235,9 @@ def test_the_token_ladder_covers_every_token_band_the_limits_allow():
     assert [n for _, n, _ in steps[totals.index(800)]] == [100] * 8
     two = token_ladder(max_tokens=100, max_seqs=2, max_model_len=40)
     assert [[n for _, n, _ in kind] for kind in two] == [[24, 24], [32, 32]]  # 96 would need 48 > 40
+    short = token_ladder(max_tokens=8192, max_seqs=64, max_model_len=448)  # serve_h200's engine
+    assert sum(n for _, n, _ in short[-1]) == 8192 and len(short[-1]) == 19  # not 8 prompts of 1024
+    assert all(max(n for _, n, _ in kind) <= 448 for kind in short)
 
 
 def test_the_prefix_ladder_spans_every_table_width_class_on_a_small_cache():

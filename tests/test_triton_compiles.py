@@ -42,3 +42,16 @@ def test_no_hook_before_means_none_after():
         assert knobs.runtime.jit_post_compile_hook is None and compiles.summary()["compiles"] == 0
     finally:
         knobs.runtime.jit_post_compile_hook = previous
+
+
+def test_a_signature_names_argument_types_constants_and_specialisations():
+    """What tells two variants of one kernel apart: the launch's types, constexpr values and
+    the attributes Triton specialised on (its hook's compile record)."""
+    with TritonCompiles() as compiles:
+        knobs.runtime.jit_post_compile_hook(
+            key=None, repr="k[...](x_ptr: ()", fn=SimpleNamespace(name="_prefill_index_kernel"),
+            compile={"signature": {"q_ptr": "*bf16", "n_cols": "i32", "BLOCK_T": "constexpr"},
+                     "constants": {"BLOCK_T": 64}, "configs": [{(1,): [["tt.divisibility", 16]]}]},
+            is_manual_warmup=False, already_compiled=False)
+    assert compiles.signatures == ["_prefill_index_kernel(q_ptr: *bf16, n_cols: i32) constants={'BLOCK_T': 64} "
+                                   "attrs={(1,): [['tt.divisibility', 16]]}"]

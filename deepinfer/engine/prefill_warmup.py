@@ -54,13 +54,14 @@ LADDER_TOKENS = (48, 64, 96, 128, 192, 256, 384, 512, 640, 800, 1024, 1280, 1536
 def token_ladder(max_tokens: int, max_seqs: int, max_model_len: int,
                  requests: int = 8) -> list[tuple[tuple[int, int, bool], ...]]:
     """Step kinds of :data:`LADDER_TOKENS` up to ``max_tokens``, each total split over
-    ``min(requests, max_seqs)`` new prompts (the last takes the remainder); a total whose
-    prompts would exceed ``max_model_len`` is dropped."""
+    ``requests`` new prompts (the last takes the remainder), or over as many as prompts of
+    at most ``max_model_len`` tokens need (a short-context engine's full step holds many
+    prompts); at most ``max_seqs``: a total that still does not fit is dropped."""
     out = []
-    n = max(1, min(requests, max_seqs))
     for total in LADDER_TOKENS:
         if total > max_tokens:
             break
+        n = max(1, min(max(requests, -(-total // max_model_len)), max_seqs))
         each, rest = divmod(total, n)
         lengths = [each] * (n - 1) + [each + rest]
         if each >= 1 and max(lengths) <= max_model_len:

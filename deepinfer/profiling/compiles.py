@@ -24,6 +24,22 @@ def _knobs() -> Any:
     return runtime if runtime is not None and hasattr(runtime, "jit_post_compile_hook") else None
 
 
+def _signature(kwargs: dict[str, Any]) -> str:
+    """The compiled launch as ``name(arg: type, ...) attrs``: the argument types and the
+    specialisation attributes (divisibility by 16, equal to 1) that make it a variant.
+    Taken from the hook's ``compile`` record, which Triton versions fill alike; its
+    ``repr`` where that record is missing."""
+    record = kwargs.get("compile") or {}
+    signature = record.get("signature")
+    if not isinstance(signature, dict):
+        return str(kwargs.get("repr", ""))
+    fn = kwargs.get("fn")
+    args = ", ".join(f"{k}: {v}" for k, v in signature.items() if v != "constexpr")
+    constants = {k: v for k, v in (record.get("constants") or {}).items() if isinstance(v, (int, float, bool, str))}
+    configs = record.get("configs") or [None]
+    return f"{getattr(fn, 'name', '?')}({args}) constants={constants} attrs={configs[0]}"
+
+
 class TritonCompiles:
     """Context manager: ``names`` lists the kernel of every compile inside the block
     (in order), ``signatures`` the launch Triton compiled it for (its argument types and
@@ -41,7 +57,7 @@ class TritonCompiles:
     def _hook(self, *args: Any, **kwargs: Any) -> Any:
         fn = kwargs.get("fn")
         self.names.append(str(getattr(fn, "name", None) or getattr(fn, "__name__", "?")))
-        self.signatures.append(str(kwargs.get("repr", "")))
+        self.signatures.append(_signature(kwargs))
         if self._previous is not None:
             return self._previous(*args, **kwargs)
         return None
