@@ -41,6 +41,7 @@ from v41_bounded_replay import mini_v41_config  # noqa: E402
 
 from deepinfer import SamplingParams  # noqa: E402
 from deepinfer.models.tiny import mini_config, tiny_config, tiny_v41_config  # noqa: E402
+from deepinfer.profiling.records import result_tag  # noqa: E402
 
 
 def sizes(tiny: bool) -> dict:
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
             sync()
         out["targets"] = targets(out) if all("decode" in out.get(n, {}) for n in ("v4_mini", "v41_mini")) else []
     os.makedirs(args.out, exist_ok=True)
-    tag = "h200" if "H200" in hw else ("cpu" if hw == "cpu" else hw.replace(" ", "_").lower())
+    tag = result_tag(hw)
     path = os.path.join(args.out, f"compiled_engine_{tag}_{out['commit'][:7]}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)

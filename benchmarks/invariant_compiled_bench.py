@@ -44,6 +44,7 @@ from fastpath_roofline import ModelCosts  # noqa: E402
 
 from deepinfer import SamplingParams  # noqa: E402
 from deepinfer.models.tiny import mini_config, tiny_config, tiny_v41_config  # noqa: E402
+from deepinfer.profiling.records import result_tag  # noqa: E402
 
 
 def engine(model, cfg_dir: str, invariant: bool, args, budget: int | None = None, compiled: bool = True):
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
          "met": i["prefill"]["tok_s"] / d["prefill"]["tok_s"] >= 0.4},
     ]
     os.makedirs(args.out, exist_ok=True)
-    tag = "h200" if "H200" in hw else ("cpu" if hw == "cpu" else hw.replace(" ", "_").lower())
+    tag = result_tag(hw)
     size = "v41_" if args.size == "mini_v41" else ""
     path = os.path.join(args.out, f"invariant_compiled_{size}{tag}_{out['commit'][:7]}.json")
     with open(path, "w") as f:

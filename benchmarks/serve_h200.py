@@ -58,6 +58,7 @@ from deepinfer.models.tiny import mini_config, tiny_config, write_tiny_checkpoin
 from deepinfer.profiling.compiles import TritonCompiles  # noqa: E402
 from deepinfer.serve.bench import BenchConfig, run_bench, summarize  # noqa: E402
 from deepinfer.serve.launch import ServerProcess, start_server  # noqa: E402
+from deepinfer.profiling.records import result_tag  # noqa: E402
 
 
 def commit() -> str:
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
            "offline": off, "servers": servers, "compared": compared, "targets": targets,
            "wall_s": round(time.time() - start, 1)}
     os.makedirs(args.out, exist_ok=True)
-    tag = "h200" if "H200" in hw else ("cpu" if hw == "cpu" else hw.replace(" ", "_").lower())
+    tag = result_tag(hw)
     path = os.path.join(args.out, f"serve_{tag}_{out['commit'][:7]}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1, default=str)

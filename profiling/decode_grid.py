@@ -48,6 +48,7 @@ from fastpath_check import token_ids  # noqa: E402
 from deepinfer import SamplingParams  # noqa: E402
 from deepinfer.profiling.compiles import TritonCompiles  # noqa: E402
 from deepinfer.models.tiny import mini_config, tiny_config  # noqa: E402
+from deepinfer.profiling.records import result_tag  # noqa: E402
 
 TAIL = 32  # tokens of its own per request (at least; the prefix is whole blocks)
 REMEDY_MAX_TOKENS = 1 << 20  # the remedies re-run the worst warmed cell only when it is this cheap
@@ -373,7 +374,7 @@ def main(argv: list[str] | None = None) -> dict:
     out["flags"], out["targets"], out["diagnoses"] = analyse(out["engines"])
     out["wall_s"] = round(time.time() - start, 1)
     os.makedirs(args.out, exist_ok=True)
-    tag = "h200" if "H200" in hw else ("cpu" if hw == "cpu" else hw.replace(" ", "_").lower())
+    tag = result_tag(hw)
     path = os.path.join(args.out, f"decode_grid_{tag}_{out['commit'][:7]}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)

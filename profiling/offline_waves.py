@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.profiling.compiles import TritonCompiles  # noqa: E402
 from deepinfer.models.tiny import mini_config, tiny_config, write_tiny_checkpoint  # noqa: E402
-from deepinfer.profiling.records import save_json  # noqa: E402
+from deepinfer.profiling.records import result_tag, save_json  # noqa: E402
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
             kinds = " ".join(f"{k}:{v['steps']}@{v['mean_ms']:.2f}" for k, v in r["kinds"].items())
             print(f"{mode:<6} {name.removeprefix('waves_'):>6} {r['tok_s']:>8.0f} {r['steps']:>5} "
                   f"{r['wall_ms_per_step']:>8.3f} {r['compiles']:>8}  {kinds}  {r['fast_path']}")
-    tag = "h200" if "H200" in hw else ("cpu" if hw == "cpu" else hw.replace(" ", "_").lower())
+    tag = result_tag(hw)
     save_json(args.out, f"offline_waves_{tag}_{commit}.json", out)
     return out
 

@@ -94,9 +94,10 @@ def _step(kind: tuple[tuple[int, int, bool], ...], block_size: int, groups: list
         # blocks wholly before ``start`` (a prefix-cache hit) are only read: one shared block
         # stands for them all, so a long prefix costs the throwaway cache one block
         n_blocks, n_prefix = -(-(start + length) // block_size), start // block_size
-        own = list(range(next_block + (n_prefix > 0), next_block + (n_prefix > 0) + n_blocks - n_prefix))
+        first_own = next_block + (1 if n_prefix else 0)  # after the shared block, if any
+        own = list(range(first_own, first_own + n_blocks - n_prefix))
         table = {g: [next_block] * n_prefix + own for g in groups}
-        next_block += (n_prefix > 0) + n_blocks - n_prefix
+        next_block = first_own + len(own)
         seqs.append(SeqMeta(start, length, offset, table, slot, is_new=is_new, prompt_len=start + length))
         ids += [(7 * slot + 3 * j) % vocab for j in range(length)]
         pos += list(range(start, start + length))

@@ -75,6 +75,14 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
+def result_tag(hardware: str) -> str:
+    """The hardware part of a result file's name: ``h200`` for any H200, ``cpu``, else the
+    device name in lower case with underscores (``nvidia_h100_80gb_hbm3``)."""
+    if "H200" in hardware:
+        return "h200"
+    return "cpu" if hardware == "cpu" else hardware.replace(" ", "_").lower()
+
+
 def run_metadata(llm: Any, **extra: Any) -> dict[str, Any]:
     """Everything that has to sit beside a measured number."""
     commit, dirty = git_commit()
