@@ -97,7 +97,8 @@ class IncrementalDetokenizer:
         self.finished: bool = False
         self.token_ids: list[int] = []
 
-        self._ids: list[int] = [int(i) for i in prompt_ids]
+        # only the prompt's last few ids are ever decoded: copying the rest would cost O(prompt)
+        self._ids: list[int] = [int(i) for i in prompt_ids[max(0, len(prompt_ids) - INITIAL_CONTEXT_TOKENS):]]
         self._read_offset = len(self._ids)
         self._prefix_offset = max(self._read_offset - INITIAL_CONTEXT_TOKENS, 0)
         if self._prefix_offset < self._read_offset:

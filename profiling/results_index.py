@@ -79,7 +79,7 @@ BENCHMARKS = (
 STUDIES = ("batch_invariance_probe.py", "compiled_quality.py", "decode_grid.py", "decode_grid_analysis.py",
            "first_generate_profile.py", "gemm_first_use.py", "fastpath_hf.py", "fastpath_layers.py", "fastpath_numerics.py", "fastpath_roofline.py",
            "fp8_prefill_tuning.py", "kernel_bench_fused.py", "kernel_bench_moe_quant.py", "mhc_tuning.py", "offline_waves.py",
-           "prefill_attention_tuning.py", "prefill_host_profile.py", "prefill_profile.py",
+           "prefill_attention_tuning.py", "prefill_host_profile.py", "prefill_profile.py", "prompt_host_cost.py",
            "serve_host_cost.py", "serve_latency_probe.py", "spec_decode_chart.py", "spec_host_profile.py", "trace.py")
 #: GPU checks (profiling/): pass / fail runs for a lent device (compile, correctness), plus the session scripts.
 CHECKS = ("batch_invariant_compile_check.py", "batch_invariant_gpu.py", "ep_gpu_check.py", "fastpath_check.py",

@@ -9,6 +9,7 @@ appended. Its results come back one step late, as in the async engine loop.
 
 from __future__ import annotations
 
+from array import array
 
 import pytest
 
@@ -46,7 +47,7 @@ class AsyncFakeRunner(FakeRunner):
             end = s.start_pos + s.num_tokens
             if end > req.num_tokens:
                 saved[s.req_id] = req.all_token_ids
-                req.all_token_ids = req.all_token_ids + s.token_ids[req.num_tokens - s.start_pos:]
+                req.all_token_ids = req.all_token_ids + array("q", s.token_ids[req.num_tokens - s.start_pos:])
         try:
             out = super().execute(so)
         finally:

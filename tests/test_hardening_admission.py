@@ -114,6 +114,11 @@ def test_sampling_params_refuse_float32_infinite_and_int64_overflow() -> None:
     (dict(prompt_token_ids=np.array([1.5, 2.0])), "1-D integer array, got 1-D float64"),
     (dict(prompt_token_ids=torch.zeros(2, 2, 2, dtype=torch.long)), "got 3-D"),
     (dict(prompt_token_ids=[[1, 8192]]), r"outside \[0, 8192\): \[8192\]"),
+    (dict(prompt_token_ids=[[3, -1]]), r"outside \[0, 8192\): \[-1\]"),
+    (dict(prompt_token_ids=[[1, 2**70]]), r"outside \[0, 8192\): \[1180591620717411303424\]"),  # past int64
+    (dict(prompt_token_ids=[[1, np.int64(9000)]]), r"outside \[0, 8192\): \[9000\]"),
+    (dict(prompt_token_ids=np.array([[1, 2**63 + 5]], dtype=np.uint64)), r"outside \[0, 8192\): \[9223372036854775813\]"),
+    (dict(prompt_token_ids=torch.tensor([4, 8200])), r"outside \[0, 8192\): \[8200\]"),
 ])
 def test_prompt_types_refused_clearly(llm, reference, kwargs, match) -> None:
     with pytest.raises(InvalidRequestError, match=match):

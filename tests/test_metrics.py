@@ -22,7 +22,7 @@ def tiny_llm():
 
 def _sched(req: Request, n: int) -> ScheduledRequest:
     start = req.num_computed_tokens
-    return ScheduledRequest(req.req_id, req.all_token_ids[start:start + n], start, {}, 0, start == 0,
+    return ScheduledRequest(req.req_id, req.all_token_ids[start:start + n].tolist(), start, {}, 0, start == 0,
                             start + n == req.num_tokens, req.sampling_params, req.num_output_tokens)
 
 

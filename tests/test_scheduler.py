@@ -70,7 +70,7 @@ class FakeRunner:
             assert s.is_new == (s.req_id not in self.active)
             self.active.add(s.req_id)
             assert not s.is_new or s.start_pos % B == 0
-            assert s.token_ids == truth[s.start_pos : s.start_pos + s.num_tokens]
+            assert s.token_ids == truth[s.start_pos : s.start_pos + s.num_tokens].tolist()
             for g in GROUPS:
                 table = s.block_table[g.name]
                 assert len(table) * B >= s.start_pos + s.num_tokens

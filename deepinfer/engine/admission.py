@@ -35,9 +35,10 @@ import logging
 import math
 import numbers
 import time
+from array import array
 from concurrent.futures import TimeoutError as FuturesTimeout
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -53,7 +54,8 @@ __all__ = ["admit_generate", "prompt_items", "token_id_lists", "check_sampling_v
 logger = logging.getLogger(__name__)
 
 
-Prompt = tuple[str | None, list[int]]
+Prompt = tuple[str | None, array]  # (text or None, int64 token ids)
+INT64_MAX = 2**63 - 1
 
 
 # ---- prompts -----------------------------------------------------------------------------
@@ -83,43 +85,66 @@ def _text_list(prompts: Any) -> list[str]:
     return items
 
 
-def _ids_of(seq: Any, where: str) -> list[int]:
-    """One prompt's token ids as Python ints (types checked; ranges later)."""
+def _ids_of(seq: Any, where: str, vocab: int | None = None) -> array:
+    """One prompt's token ids as an int64 ``array`` (types checked; ranges later). An array,
+    not a list: the garbage collector never walks it, so long prompts cost no GC time while
+    they are served (see :class:`deepinfer.engine.request.Request`)."""
     if isinstance(seq, torch.Tensor):
         if seq.dim() != 1 or seq.dtype == torch.bool or seq.dtype.is_floating_point or seq.dtype.is_complex:
             raise InvalidRequestError(f"{where} must be a 1-D integer tensor, got {seq.dim()}-D {seq.dtype}",
                                       field="prompt_token_ids")
-        return [int(t) for t in seq.tolist()]
+        return _int64_ids(seq.detach().cpu().numpy(), where, vocab)
     if isinstance(seq, np.ndarray):
         if seq.ndim != 1 or seq.dtype.kind not in "iu":
             raise InvalidRequestError(f"{where} must be a 1-D integer array, got {seq.ndim}-D {seq.dtype}",
                                       field="prompt_token_ids")
-        return [int(t) for t in seq.tolist()]
+        return _int64_ids(seq, where, vocab)
     if isinstance(seq, (str, bytes, bytearray, Mapping)) or not isinstance(seq, Sequence):
         raise InvalidRequestError(f"{where} must be a list of int token ids, got {type(seq).__name__}",
                                   field="prompt_token_ids")
-    if all(type(t) is int for t in seq):  # the common case (JSON ids, lists): far cheaper than the checks below
-        return list(seq)
-    out = []
+    if set(map(type, seq)) <= {int}:  # the common case (JSON ids, lists): far cheaper than the checks below
+        try:
+            return array("q", seq)
+        except OverflowError:
+            _out_of_range(where, [t for t in seq if not -INT64_MAX - 1 <= t <= INT64_MAX], vocab)
+    out = array("q")
     for j, t in enumerate(seq):
         if isinstance(t, (torch.Tensor, np.ndarray)) and t.ndim == 0:
             t = t.item()
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
             raise InvalidRequestError(f"{where}[{j}] must be an int token id, got {t!r} ({type(t).__name__})",
                                       field="prompt_token_ids")
+        if not -INT64_MAX - 1 <= int(t) <= INT64_MAX:
+            _out_of_range(where, [int(t)], vocab)
         out.append(int(t))
     return out
 
 
-def token_id_lists(prompt_token_ids: Any) -> list[list[int]]:
-    """``prompt_token_ids`` (one prompt or a batch, in any accepted container) as lists of ints."""
+def _int64_ids(a: np.ndarray, where: str, vocab: int | None) -> array:
+    """A 1-D integer ndarray as an int64 ``array``; values int64 cannot hold are refused
+    (a uint64 id past 2**63 - 1 would otherwise wrap to a negative one)."""
+    if a.dtype == np.uint64 and a.size and int(a.max()) > INT64_MAX:
+        _out_of_range(where, [int(t) for t in a[a > INT64_MAX][:5]], vocab)
+    out = array("q")
+    out.frombytes(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+    return out
+
+
+def _out_of_range(where: str, bad: list[int], vocab: int | None = None) -> NoReturn:
+    bound = f"[0, {vocab})" if vocab is not None else "int64's range"
+    raise InvalidRequestError(f"{where} has token ids outside {bound}: {bad[:5]}", field="prompt_token_ids")
+
+
+def token_id_lists(prompt_token_ids: Any, vocab: int | None = None) -> list[array]:
+    """``prompt_token_ids`` (one prompt or a batch, in any accepted container) as int64 arrays
+    (``vocab``: the range errors name ``[0, vocab)``)."""
     x = prompt_token_ids
     if isinstance(x, (torch.Tensor, np.ndarray)):
         ndim = x.dim() if isinstance(x, torch.Tensor) else x.ndim
         if ndim == 1:
-            return [_ids_of(x, "prompt_token_ids")]
+            return [_ids_of(x, "prompt_token_ids", vocab)]
         if ndim == 2:
-            return [_ids_of(row, f"prompt_token_ids[{i}]") for i, row in enumerate(x)]
+            return [_ids_of(row, f"prompt_token_ids[{i}]", vocab) for i, row in enumerate(x)]
         raise InvalidRequestError(f"prompt_token_ids must be 1-D (one prompt) or 2-D (a batch), got {ndim}-D",
                                   field="prompt_token_ids")
     if isinstance(x, (bool, numbers.Number)):
@@ -132,8 +157,8 @@ def token_id_lists(prompt_token_ids: Any) -> list[list[int]]:
     items = list(x)
     scalar = lambda t: isinstance(t, numbers.Number) or (isinstance(t, (torch.Tensor, np.ndarray)) and t.ndim == 0)
     if items and all(scalar(t) for t in items):
-        return [_ids_of(items, "prompt_token_ids")]
-    return [_ids_of(seq, f"prompt_token_ids[{i}]") for i, seq in enumerate(items)]
+        return [_ids_of(items, "prompt_token_ids", vocab)]
+    return [_ids_of(seq, f"prompt_token_ids[{i}]", vocab) for i, seq in enumerate(items)]
 
 
 def prompt_items(engine: Any, prompts: Any, prompt_token_ids: Any) -> list[Prompt]:
@@ -142,7 +167,7 @@ def prompt_items(engine: Any, prompts: Any, prompt_token_ids: Any) -> list[Promp
         raise InvalidRequestError("generate() needs exactly one of prompts or prompt_token_ids")
     vocab = engine.model_config.vocab_size
     if prompts is not None:
-        out: list[Prompt] = [(p, engine.tokenizer.encode(p)) for p in _text_list(prompts)]
+        out: list[Prompt] = [(p, array("q", engine.tokenizer.encode(p))) for p in _text_list(prompts)]
         for i, (_, ids) in enumerate(out):
             if max(ids) >= vocab:
                 raise InvalidRequestError(
@@ -150,14 +175,13 @@ def prompt_items(engine: Any, prompts: Any, prompt_token_ids: Any) -> list[Promp
                     f"({engine.tokenizer.vocab_size} tokens) does not match this checkpoint", field="tokenizer")
         return out
     out = []
-    for i, ids in enumerate(token_id_lists(prompt_token_ids)):
+    for i, ids in enumerate(token_id_lists(prompt_token_ids, vocab)):
         if not ids:
             raise InvalidRequestError(f"prompt_token_ids[{i}] is empty; a prompt needs at least one token",
                                       field="prompt_token_ids")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt_token_ids[{i}] has token ids outside [0, {vocab}): {bad[:5]}",
-                                      field="prompt_token_ids")
+        view = np.frombuffer(ids, dtype=np.int64)  # no copy
+        if view.min() < 0 or view.max() >= vocab:
+            _out_of_range(f"prompt_token_ids[{i}]", view[(view < 0) | (view >= vocab)][:5].tolist(), vocab)
         out.append((None, ids))
     return out
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -125,7 +124,7 @@ class HybridKVCacheManager:
         while len(hashes) < len(toks) // B:
             i = len(hashes)
             prev = hashes[-1] if hashes else b""
-            hashes.append(hashlib.sha256(prev + array("q", toks[i * B : (i + 1) * B]).tobytes()).digest())
+            hashes.append(hashlib.sha256(prev + toks[i * B : (i + 1) * B].tobytes()).digest())  # int64 array
         return hashes
 
     # ------------------------------------------------------------ prefix hits

@@ -145,7 +145,7 @@ class OutputProcessor:
                                  req.finished_time, req.num_prompt_tokens, req.num_cached_tokens,
                                  req.num_output_tokens, req.num_preemptions)
         return RequestOutput(
-            request_id=req.req_id, prompt=st.prompt, prompt_token_ids=list(req.prompt_token_ids), text=detok.text,
+            request_id=req.req_id, prompt=st.prompt, prompt_token_ids=req.prompt_token_ids.tolist(), text=detok.text,
             token_ids=list(req.output_token_ids), finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             seq_seed=sp.seq_seed, logprobs=list(req.output_logprobs) or None,
             top_logprobs=list(req.output_top_logprobs) if sp.top_logprobs else None, metrics=metrics)

@@ -147,7 +147,7 @@ class Scheduler:
         known = req.all_token_ids[start : start + n]  # async scheduling: unknown tokens are placeholders
         return ScheduledRequest(
             req_id=req.req_id,
-            token_ids=known + [PLACEHOLDER_TOKEN_ID] * (n - len(known)) + req.draft_token_ids[:num_drafts],
+            token_ids=known.tolist() + [PLACEHOLDER_TOKEN_ID] * (n - len(known)) + req.draft_token_ids[:num_drafts],
             num_draft_tokens=num_drafts,
             start_pos=start,
             block_table=dict(req.block_table),  # the lists are shared: allocate_slots replaces, never mutates them
