@@ -12,8 +12,10 @@ probe list before anything else ran there, against its second call; (2) the pref
 warm-up's token ladder (engine/prefill_warmup.py) run once; (3) first calls at Ms between
 the ladder's rungs, against their second calls. If (3)'s first-call excess is small
 where (1)'s is large, the ladder loads the kernels unseen Ms need; run it again under
-``CUDA_MODULE_LOADING=EAGER`` (recorded) to tell module loads from per-shape setup. The JSON goes to
-``--out`` as ``gemm_first_use_<hardware>_<commit>.json``.
+``CUDA_MODULE_LOADING=EAGER`` (recorded) to tell module loads from per-shape setup. Each first
+call also records the cudaMallocs it made (fresh allocator segments for a new M's outputs), and
+``--blas cublas|cublaslt`` picks torch's BLAS library, to tell the allocator and cuBLAS's
+per-shape setup apart. The JSON goes to ``--out`` as ``gemm_first_use_<hardware>_<commit>[_<blas>].json``.
 """
 
 from __future__ import annotations
@@ -41,24 +43,31 @@ def weight_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
     return sorted({(int(p.shape[0]), int(p.shape[1])) for p in model.parameters() if p.dim() == 2 and p.is_floating_point()})
 
 
-def linear_ms(weights: list[torch.Tensor], m: int) -> float:
-    """Wall ms of one F.linear per weight at M = m tokens (synchronised)."""
+def _device_mallocs() -> int:
+    """cudaMalloc calls the caching allocator made so far (0 on CPU)."""
+    return torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0
+
+
+def linear_ms(weights: list[torch.Tensor], m: int) -> tuple[float, int]:
+    """Wall ms of one F.linear per weight at M = m tokens (synchronised), and the cudaMallocs
+    in it (a new M's outputs may need fresh allocator segments: one cause to tell apart)."""
     x = {w.shape[1]: torch.randn(m, w.shape[1], device=w.device, dtype=w.dtype) for w in weights}
     sync()
+    mallocs = _device_mallocs()
     t = time.perf_counter()
     for w in weights:
         F.linear(x[w.shape[1]], w)
     sync()
-    return (time.perf_counter() - t) * 1e3
+    return (time.perf_counter() - t) * 1e3, _device_mallocs() - mallocs
 
 
 def first_and_second(weights: list[torch.Tensor], ms: list[int]) -> list[dict]:
-    """Per M: the first call's ms, the second's, and the excess."""
+    """Per M: the first call's ms, the second's, the excess and the first call's cudaMallocs."""
     rows = []
     for m in ms:
-        first, second = linear_ms(weights, m), linear_ms(weights, m)
+        (first, mallocs), (second, _) = linear_ms(weights, m), linear_ms(weights, m)
         rows.append({"m": m, "first_ms": round(first, 3), "second_ms": round(second, 3),
-                     "excess_ms": round(first - second, 3)})
+                     "excess_ms": round(first - second, 3), "first_mallocs": mallocs})
     return rows
 
 
@@ -70,8 +79,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--between", default="112,176,300,700,900,1200,1800,2300,3500,4500,7000",
                     help="Ms between the ladder's rungs, timed after it ran")
     ap.add_argument("--ladder-max", type=int, default=8192, help="the step budget the ladder stops at")
+    ap.add_argument("--blas", choices=("default", "cublas", "cublaslt"), default="default",
+                    help="torch.backends.cuda.preferred_blas_library for every GEMM (CUDA only)")
     args = ap.parse_args(argv)
     device = "cpu" if args.tiny else "cuda"
+    if device == "cuda" and args.blas != "default":
+        torch.backends.cuda.preferred_blas_library(args.blas)
     cfg = tiny_config(vocab_size=512) if args.tiny else mini_config()
     model = build(cfg, device)
     shapes = weight_shapes(model)
@@ -86,19 +99,21 @@ def main(argv: list[str] | None = None) -> dict:
     ladder_s = time.perf_counter() - t
     between = first_and_second(weights, [int(m) for m in args.between.split(",")])
     record = {"commit": commit(), "hardware": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-              "torch": torch.__version__, "cuda_module_loading": os.environ.get("CUDA_MODULE_LOADING", "(default)"),
+              "torch": torch.__version__, "blas": args.blas, "cuda_module_loading": os.environ.get("CUDA_MODULE_LOADING", "(default)"),
               "weight_shapes": [list(s) for s in shapes], "cold": cold, "ladder": ladder, "ladder_s": round(ladder_s, 3),
               "between": between,
               "cold_excess_ms": round(sum(r["excess_ms"] for r in cold), 3),
               "between_excess_ms": round(sum(r["excess_ms"] for r in between), 3)}
     os.makedirs(args.out, exist_ok=True)
     tag = record["hardware"].replace(" ", "_").lower()
-    path = os.path.join(args.out, f"gemm_first_use_{tag}_{record['commit'][:7]}.json")
+    suffix = "" if args.blas == "default" else f"_{args.blas}"
+    path = os.path.join(args.out, f"gemm_first_use_{tag}_{record['commit'][:7]}{suffix}.json")
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
-    print(f"{len(shapes)} weight shapes; CUDA_MODULE_LOADING={record['cuda_module_loading']}")
+    print(f"{len(shapes)} weight shapes; CUDA_MODULE_LOADING={record['cuda_module_loading']}; blas {args.blas}")
     for name in ("cold", "between"):
-        print(f"{name}: " + "  ".join(f"M={r['m']} {r['first_ms']}/{r['second_ms']}" for r in record[name])
+        print(f"{name}: " + "  ".join(f"M={r['m']} {r['first_ms']}/{r['second_ms']} ({r['first_mallocs']} mallocs)"
+                                      for r in record[name])
               + f"   excess {record[name + '_excess_ms']} ms")
     print(f"ladder {ladder[0]}..{ladder[-1]} ({len(ladder)} rungs) in {record['ladder_s']} s")
     print(path)
