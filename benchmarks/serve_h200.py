@@ -10,7 +10,8 @@
 2. Saturation: W x B requests (``--waves``, ``--batch``, also max_num_seqs) of P prompt + N
    output tokens (ignore_eos), at most B in flight: output tok/s through the server (`deepinfer
    bench serve`'s client, request rate inf, max concurrency B) over LLM.generate's for the same
-   requests and batch limit; target >= 0.9x. Sustained load, as `vllm bench serve` measures it
+   requests and batch limit, the median of ``--saturation-repeats`` calls on each side (every
+   repeat recorded); target >= 0.9x. Sustained load, as `vllm bench serve` measures it
    (num prompts well above the concurrency): a single wave of B (reported too, as ``burst``)
    mostly measures the ramp, when B requests arrive over HTTP one by one and the engine starts
    prefilling the first before the last has arrived.
@@ -89,13 +90,16 @@ def offline(ckpt: str, engine: dict, args: argparse.Namespace, vocab: int) -> di
         return step()
 
     llm.engine.step = counted
+    runs = []  # (tok/s, wall s, steps) per repeat: one ~1 s call alone varied run to run
     with TritonCompiles() as compiles:  # kernels the warm-up call did not compile cost the measured steps
-        t = time.perf_counter()
-        outs = llm.generate(prompt_token_ids=prompts_for(args.waves * args.batch, args.prompt_len, vocab, 3),
-                            sampling_params=sp, use_tqdm=False)
-        wall = time.perf_counter() - t
+        for rep in range(args.saturation_repeats):
+            steps[0], t = 0, time.perf_counter()
+            outs = llm.generate(prompt_token_ids=prompts_for(args.waves * args.batch, args.prompt_len, vocab,
+                                                             SATURATION_SEED + rep), sampling_params=sp, use_tqdm=False)
+            wall = time.perf_counter() - t
+            runs.append((sum(len(o.token_ids) for o in outs) / wall, wall, steps[0]))
     del llm.engine.step
-    tok_s = sum(len(o.token_ids) for o in outs) / wall
+    tok_s, wall, n_steps = sorted(runs)[len(runs) // 2]  # the median repeat
     t = time.perf_counter()
     burst = llm.generate(prompt_token_ids=prompts_for(args.batch, args.prompt_len, vocab, 4), sampling_params=sp,
                          use_tqdm=False)
@@ -125,7 +129,8 @@ def offline(ckpt: str, engine: dict, args: argparse.Namespace, vocab: int) -> di
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"greedy": greedy, "saturation_tok_s": tok_s, "saturation_wall_s": wall, "burst_tok_s": burst_tok_s,
-            "mean_step_ms": 1000 * wall / steps[0], "saturation_compiles": compiles.summary(),
+            "saturation_tok_s_repeats": [r[0] for r in runs],
+            "mean_step_ms": 1000 * wall / n_steps, "saturation_compiles": compiles.summary(),
             "ttft_ms_p50": 1000 * statistics.median(ttft), "tpot_ms_p50": 1000 * statistics.median(tpot),
             # low load: the first two step() calls of a lone request (the prefill's launch, then the
             # call that lands it): where its TTFT goes
@@ -167,10 +172,15 @@ async def served(url: str, args: argparse.Namespace, vocab: int, server_pid: int
     base = dict(base_url=url, random_input_len=args.prompt_len, random_output_len=args.new)
     warm = BenchConfig(num_prompts=args.batch, max_concurrency=args.batch, seed=2, **base)
     await run_bench(warm)
-    sat = BenchConfig(num_prompts=args.waves * args.batch, max_concurrency=args.batch, seed=3, **base)
-    before, cpu0 = await server_counters(url), host_cpu_s(server_pid)
-    res, wall, _ = await run_bench(sat)
-    cpu1, after = host_cpu_s(server_pid), await server_counters(url)
+    runs = []  # per repeat, as offline: (tok/s, results, wall, counters and CPU before / after)
+    for rep in range(args.saturation_repeats):
+        sat = BenchConfig(num_prompts=args.waves * args.batch, max_concurrency=args.batch, seed=SATURATION_SEED + rep,
+                          **base)
+        before, cpu0 = await server_counters(url), host_cpu_s(server_pid)
+        res, wall, _ = await run_bench(sat)
+        cpu1, after = host_cpu_s(server_pid), await server_counters(url)
+        runs.append((sum(r.output_tokens for r in res if r.ok) / wall, rep, sat, res, wall, before, after, cpu0, cpu1))
+    _, _, sat, res, wall, before, after, cpu0, cpu1 = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
     tokens = sum(r.output_tokens for r in res if r.ok)
     # whether a host process, not the engine, bounds the run: ~1 CPU-second per second is a full core
     host = {name: {"cpu_s_per_s": (cpu1[name] - cpu0[name]) / wall,
@@ -188,11 +198,13 @@ async def served(url: str, args: argparse.Namespace, vocab: int, server_pid: int
     # the client's TTFT adds beyond them is HTTP, admission and the SSE path
     inside = {f"{key}_ms_mean": 1000 * (after[f"{m}_sum"] - before[f"{m}_sum"])
               / max(1.0, after[f"{m}_count"] - before[f"{m}_count"]) for key, m in (("ttft", TTFT), ("tpot", TPOT))}
-    return {"greedy_token_text": greedy, "saturation": summarize(sat, res, wall) | {"engine": engine},
+    return {"greedy_token_text": greedy, "saturation": summarize(sat, res, wall) | {
+                "engine": engine, "output_throughput_repeats": [r[0] for r in runs]},
             "burst": summarize(burst, bres, bwall),
             "low_load": summarize(low, lres, lwall) | {"server_side": inside}}
 
 
+SATURATION_SEED = 3  # repeat r uses prompts of seed 3 + r on both sides
 STEPS, BUSY = "deepinfer:engine_steps_total", "deepinfer:engine_step_seconds_total"
 TTFT, TPOT = "deepinfer:time_to_first_token_seconds", "deepinfer:time_per_output_token_seconds"
 
@@ -219,6 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--waves", type=int, default=4, help="saturation requests = waves x batch, batch in flight")
     ap.add_argument("--low-load-repeats", type=int, default=8)
+    ap.add_argument("--saturation-repeats", type=int, default=3,
+                    help="saturation calls per side; the ratio compares the medians")
     ap.add_argument("--clients", default="process,thread",
                     help="engine clients to serve through, the first is the default the targets are for")
     ap.add_argument("--tiny", action="store_true", help="CPU stand-in (tests of this script)")
@@ -228,6 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--clients must list process and/or thread, got {args.clients}")
     if args.waves < 1:
         ap.error(f"--waves must be >= 1, got {args.waves}")
+    if args.saturation_repeats < 1:
+        ap.error(f"--saturation-repeats must be >= 1, got {args.saturation_repeats}")
     start = time.time()
     if args.tiny:
         cfg, dtype, engine = tiny_config(vocab_size=4096), torch.float32, {"dtype": "float32"}

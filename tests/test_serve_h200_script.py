@@ -40,5 +40,12 @@ def test_serve_h200_tiny(tmp_path, capsys):
         inside = srv["low_load"]["server_side"]  # the server's own TTFT is part of what the client saw
         assert 0 < inside["ttft_ms_mean"] <= srv["low_load"]["ttft_ms"]["mean"] and inside["tpot_ms_mean"] > 0
     assert saved["offline"]["mean_step_ms"] > 0 and saved["commit"] and saved["hardware"] == "cpu"
+    # the ratio compares the median of 3 saturation calls per side (each recorded)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    off_reps = saved["offline"]["saturation_tok_s_repeats"]
+    assert len(off_reps) == 3 and saved["offline"]["saturation_tok_s"] == med(off_reps)
+    srv_reps = saved["servers"]["process"]["saturation"]["output_throughput_repeats"]
+    ratio = saved["compared"]["process"]["saturation_ratio"]
+    assert len(srv_reps) == 3 and abs(ratio - med(srv_reps) / med(off_reps)) < 1e-9
     printed = capsys.readouterr().out
     assert "server/process" in printed and "server/thread" in printed
