@@ -48,6 +48,7 @@ from .decode import DecodeMeta, kernel_ops
 from .decode_graphs import BUCKETS, DecodeGraphs, GraphMemory, graph_shapes, reserved_bytes, rows_bucket
 from .decode_graphs import tensors_of, width_class
 from .moe import supported as moe_supported
+from .table_rows import TableRows
 
 #: Most tokens of one request a step may feed on this path (a token + up to 7 drafts).
 MAX_ROWS = 8
@@ -122,6 +123,7 @@ class FastPath:
         self.model, self.cache, self.ops = model, cache, ops
         self.device = cache.swa[0].device
         self.groups = list(cache.num_blocks)  # the family's block groups (V4: swa/csa/hca, V4.1: swa/dec/src)
+        self.table_rows = TableRows(self.groups)  # host rows of the running requests' tables
         self.program = program or decode_program(model)
         self.graphs_enabled = graphs
         self.max_graph_batch = BUCKETS[-1]
@@ -212,23 +214,25 @@ class FastPath:
         reqs = so.scheduled
         lens = [r.num_tokens for r in reqs]
         n, k = sum(lens), len(lens)
-        head = np.zeros(4 * rows + 1, dtype=np.int32)
+        flat = np.empty(4 * rows + 1 + len(self.groups) * rows * width, dtype=np.int32)  # one buffer, no concat
+        head = flat[:4 * rows + 1]
+        head[:] = 0
         pos, slot, starts = head[rows:2 * rows], head[2 * rows:3 * rows], head[3 * rows:]
-        tables = np.zeros((len(self.groups), rows, width), dtype=np.int32)
+        tables = flat[4 * rows + 1:].reshape(len(self.groups), rows, width)
         first = np.fromiter((r.start_pos for r in reqs), dtype=np.int32, count=k)
         ends = np.cumsum(lens)
         offsets = np.arange(n, dtype=np.int32) - np.repeat(ends - lens, lens)  # row index inside its request
         pos[:n] = np.repeat(first, lens) + offsets
         slot[:n] = np.repeat(np.fromiter((r.state_slot for r in reqs), dtype=np.int32, count=k), lens)
-        for i, g in enumerate(self.groups):
-            padded = [t + [0] * (width - len(t)) if len(t) < width else t[:width]
-                      for t in (r.block_table[g] for r in reqs)]
-            tables[i, :n] = np.repeat(np.array(padded, dtype=np.int32), lens, axis=0) if n > k else padded
+        if n > k:  # several rows per request (verify): each repeats its request's tables
+            tables[:, :n] = np.repeat(self.table_rows.gather(reqs, width), lens, axis=1)
+        else:
+            self.table_rows.gather(reqs, width, out=tables[:, :n])
         pos[n:], slot[n:], tables[:, n:] = pos[0], slot[0], tables[:, :1]
         starts[:k] = ends - lens
         starts[k:k + rows - n] = np.arange(n, rows)  # padded rows: one group each
         starts[k + rows - n:] = rows
-        return np.concatenate([head, tables.ravel()])
+        return flat
 
     def _width(self, so: Any) -> int:
         """The step's table width class: its longest table's blocks, to a power of two."""
