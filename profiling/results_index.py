@@ -76,7 +76,7 @@ BENCHMARKS = (
           "bounded-replay mode", ("v41_prefill_*.json",)),
 )
 #: One-off studies (profiling/): answered one question at one commit; kept to rerun, not maintained as tools.
-STUDIES = ("batch_invariance_probe.py", "compiled_quality.py", "decode_grid.py", "decode_grid_analysis.py",
+STUDIES = ("batch_invariance_probe.py", "compiled_quality.py", "decode_grid.py", "decode_grid_analysis.py", "decode_host_step.py",
            "first_generate_profile.py", "gemm_first_use.py", "fastpath_hf.py", "fastpath_layers.py", "fastpath_numerics.py", "fastpath_roofline.py",
            "fp8_prefill_tuning.py", "kernel_bench_fused.py", "kernel_bench_moe_quant.py", "mhc_tuning.py", "offline_waves.py",
            "prefill_attention_tuning.py", "prefill_host_profile.py", "prefill_profile.py", "prompt_host_cost.py",
