@@ -119,11 +119,18 @@ class ModelRunner:
 
     def _to_device(self, so: SchedulerOutput, batch: ForwardBatch, ids: list[int], positions: list[int],
                    rows: list[int], slots: list[int]) -> ForwardBatch:
+        # every part at an even int64 offset, so each view is 16-byte aligned whatever the
+        # token count: Triton specialises kernels on pointer alignment, and positions at an odd
+        # offset made each kernel that reads them compile again in the first odd-sized step
+        # (the start-up warm-up's own tensors are aligned)
         t, p = len(ids), len(rows)
-        flat = to_device(ids + positions + rows + slots, torch.long, self.device)
-        batch.input_ids, batch.positions = flat[:t], flat[t:2 * t]
+        gap_t, gap_p = [0] * (t % 2), [0] * (p % 2)
+        flat = to_device(ids + gap_t + positions + gap_t + rows + gap_p + slots, torch.long, self.device)
+        at = t + len(gap_t)
+        batch.input_ids, batch.positions = flat[:t], flat[at:at + t]
         if self.token_buffer is not None:
-            self.token_buffer.fill(so, batch, (flat[2 * t:2 * t + p], flat[2 * t + p:]))
+            at = 2 * at
+            self.token_buffer.fill(so, batch, (flat[at:at + p], flat[at + p + len(gap_p):]))
         return batch
 
     def execute(self, so: SchedulerOutput, grammar: StructuredOutputBatch | None = None) -> ModelRunnerOutput:
