@@ -24,12 +24,14 @@ import triton.language as tl
 from ._common import check_device, interpreting, next_pow2
 
 
-@triton.jit(do_not_specialize=["row_base", "n_cols", "stride_t", "stride_ot"])  # vary with the chunk / context
-def _prefill_index_kernel(q_ptr, w_ptr, pos_ptr, req_ptr, tile_ptr, pool_ptr, tab_ptr, out_ptr, row_base,
+# vary with the chunk / context; the chunk's first tile is an argument, not a pointer offset:
+# Triton specialises on pointer alignment, and a tile slice at an odd offset compiled again
+@triton.jit(do_not_specialize=["tile_base", "row_base", "n_cols", "stride_t", "stride_ot"])
+def _prefill_index_kernel(q_ptr, w_ptr, pos_ptr, req_ptr, tile_ptr, tile_base, pool_ptr, tab_ptr, out_ptr, row_base,
                           H, EPB, RATIO, n_cols, scale, stride_qt, stride_qh, stride_wt, stride_t, stride_ot,
                           IEEE: tl.constexpr, INTERP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
                           BLOCK_N: tl.constexpr):
-    tile, nb = tl.program_id(0), tl.program_id(1)
+    tile, nb = tile_base + tl.program_id(0), tl.program_id(1)
     row0 = tl.load(tile_ptr + 2 * tile).to(tl.int64)
     nrows = tl.load(tile_ptr + 2 * tile + 1)
     req = tl.load(req_ptr + row0).to(tl.int64)
@@ -107,7 +109,7 @@ def prefill_indexer_topk(q: torch.Tensor, weights: torch.Tensor, positions: torc
         row_hi = ends[last]
         scores = torch.empty(row_hi - row_lo, n_cols, dtype=torch.float32, device=q.device)
         _prefill_index_kernel[(last + 1 - first, triton.cdiv(n_cols, block_n))](
-            q, weights, positions, row_req, tiles[first:last + 1], pool, table, scores, row_lo,
+            q, weights, positions, row_req, tiles, first, pool, table, scores, row_lo,
             n_heads, pool.shape[1], ratio, n_cols, float(d ** -0.5),
             q.stride(0), q.stride(1), weights.stride(0), table.stride(0), scores.stride(0),
             IEEE=q.dtype == torch.float32, INTERP=interpreting(), D=d, BLOCK_T=block_t, BLOCK_N=block_n,
