@@ -7,12 +7,13 @@ and again once warmed, which must be identical on every engine and state (the co
 path against itself: in bf16 with random weights the reference path flips near-ties, so
 the compiled-vs-reference numerics are benchmarks/fastpath_bench.py's per-layer study); then the grid.
 A cell (batch b, context c) primes a shared prefix of c - 32 tokens (rounded down to a
-block) once, then runs b requests of that prefix plus tokens of their own twice (different
-tails, prefix-cache hits on the shared part), ``--new`` tokens each: the first call is the
-cell's first generate, the second its steady state. Cells with b * c above
+block) once, then runs b requests of that prefix plus tokens of their own 1 + ``--steady-repeats``
+times (different tails, prefix-cache hits on the shared part), ``--new`` tokens each: the
+first call is the cell's first generate, the median of the others its steady state (each
+recorded). Cells with b * c above
 ``--max-cell-tokens`` are left out (their prefill dominates the run's time). Per cell:
 decode tok/s and step ms (the requests' first-token -> finished times), the first call's
-wall over the second's, and the steady call's probes: the device time of one replay of the
+wall over the steady call's, and the steady call's probes: the device time of one replay of the
 step's graph, host time per step outside device waits, allocator retries / device mallocs,
 GC time, Triton compiles. Analysis (decode_grid_analysis.py): cliffs against each row's
 affine trend and against the same cell on the other engine / fresh, and a diagnosis of
@@ -189,23 +190,28 @@ def block_spread(llm, key: list | None) -> dict | None:
             "pages_2mib": len({b * per_block >> 21 for b in used}), "block_bytes": per_block}
 
 
-def run_cell(llm, batch: int, ctx: int, new: int, seed: int) -> dict:
+def run_cell(llm, batch: int, ctx: int, new: int, seed: int, steady: int = 3) -> dict:
+    """One cell: a first call, then ``steady`` calls of other prompts of the same shape; the
+    step time and steady call are the steady calls' medians (one call alone varied widely on
+    a lent host: the remedy probe's rerun of a slow warmed cell came back at fresh speed)."""
     vocab, bs = llm.model_config.vocab_size, llm.config.block_size
     prefix = token_ids(seed, max(0, (ctx - TAIL) // bs * bs), vocab)
     if prefix:  # the shared part's blocks computed once: the cell's requests hit them
         llm.generate(prompt_token_ids=[prefix], sampling_params=SamplingParams(max_tokens=1), use_tqdm=False)
     tail = ctx - len(prefix)
     runs = []
-    for rep in range(2):
+    for rep in range(1 + steady):
         # int64 arrays, not lists: a full GC walks every element of a live list, and the cell's
         # own prompts would be charged to the engine's GC time
         prompts = [np.array(prefix + token_ids(seed * 1000 + rep * 500 + i, tail, vocab)) for i in range(batch)]
         runs.append(_generate(llm, prompts, new, probe=True))
-    (wall0, _, first), (wall1, step1, diag) = runs
+    (wall0, _, first), rest = runs[0], runs[1:]
+    wall1, step1, diag = sorted(rest, key=lambda r: r[1])[len(rest) // 2]  # the median steady call
     keys = diag.get("graph_keys") or [None]
     diag["graph_gpu_ms"] = graph_gpu_ms(llm, keys[0])
     diag["window_blocks"] = block_spread(llm, keys[0])
     return {"batch": batch, "context": ctx, "tok_s": round(batch / step1, 1), "step_ms": round(step1 * 1e3, 3),
+            "steady_step_ms_repeats": [round(r[1] * 1e3, 3) for r in rest],
             "first_call_s": round(wall0, 3), "steady_call_s": round(wall1, 3),
             "first_over_steady": round(wall0 / wall1, 3), "diag": diag,
             "first_call_compiles": {k: first[k] for k in ("compiles", "compiled", "signatures", "gc_ms")}}
@@ -312,7 +318,7 @@ def run_engine(model, cfg_dir: str, max_model_len: int, args, budget_end: float,
                 if time.time() > budget_end:
                     cells.append({"batch": b, "context": ctx, "skipped": "time budget"})
                     continue
-                cells.append(run_cell(llm, b, ctx, args.new, seed=ctx + b))
+                cells.append(run_cell(llm, b, ctx, args.new, seed=ctx + b, steady=args.steady_repeats))
         res[state] = cells
     if time.time() < budget_end:
         res["remedies"] = remedies(llm, res["fresh"], res["warmed"], args.new)
@@ -352,7 +358,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--first-prompt", type=int, default=100, help="prompt tokens of the first generate's 8 requests")
     ap.add_argument("--check-tokens", type=int, default=16)
     ap.add_argument("--budget-s", type=float, default=140, help="cells after this much wall time are skipped")
+    ap.add_argument("--steady-repeats", type=int, default=3, help="steady calls per cell (their median counts)")
     args = ap.parse_args(argv)
+    if args.steady_repeats < 1:
+        ap.error(f"--steady-repeats must be >= 1, got {args.steady_repeats}")
     start = time.time()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.contexts = [int(c) for c in args.contexts.split(",")]

@@ -102,6 +102,8 @@ def test_the_script_runs_on_cpu(tmp_path, monkeypatch):
         for c in cells:
             assert c["diag"]["graph_keys"] and c["diag"]["steps"] >= 2 and c["diag"]["graph_gpu_ms"] is None
             assert c["diag"]["host_busy_ms_per_step"] > 0
+            reps = c["steady_step_ms_repeats"]  # the cell's step time is the median steady call's
+            assert len(reps) == 3 and c["step_ms"] == sorted(reps)[1]
         assert eng["first_generate"]["first_probe"]["steps"] >= 3
     remedy = out["engines"]["max_model_len=256"]["remedies"]
     assert remedy["batch"] in (1, 2) and remedy["after_sorting_free_blocks"] > 0
