@@ -40,3 +40,11 @@ def test_positions_are_aligned_for_odd_token_counts(ckpt, async_scheduling) -> N
     assert all(len(o.token_ids) == 5 for o in outs)
     assert any(n % 2 for n, _, _ in seen), "no odd-sized step ran"
     assert all(align == 0 and right for _, align, right in seen), seen
+
+
+def test_aligned_starts_pack_parts_at_even_offsets() -> None:
+    from deepinfer.engine.transfer import aligned_starts
+
+    starts, total = aligned_starts([3, 0, 5, 2])
+    assert starts == [0, 4, 4, 10] and total == 12
+    assert aligned_starts([]) == ([], 0)

@@ -23,7 +23,7 @@ import torch
 from deepinfer import batch_invariant as bi  # (the runner's ``batch_invariant`` is its flag)
 from deepinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.sampler import Sampler, SamplingTensors, unpack_greedy
-from deepinfer.engine.transfer import HostResult, ResultCopier, reserve_staging, to_device
+from deepinfer.engine.transfer import HostResult, ResultCopier, aligned_starts, reserve_staging, to_device
 from deepinfer.models.bounded_replay import replay_free
 from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
 from deepinfer.models.registry import family_of
@@ -119,18 +119,18 @@ class ModelRunner:
 
     def _to_device(self, so: SchedulerOutput, batch: ForwardBatch, ids: list[int], positions: list[int],
                    rows: list[int], slots: list[int]) -> ForwardBatch:
-        # every part at an even int64 offset, so each view is 16-byte aligned whatever the
-        # token count: Triton specialises kernels on pointer alignment, and positions at an odd
-        # offset made each kernel that reads them compile again in the first odd-sized step
-        # (the start-up warm-up's own tensors are aligned)
-        t, p = len(ids), len(rows)
-        gap_t, gap_p = [0] * (t % 2), [0] * (p % 2)
-        flat = to_device(ids + gap_t + positions + gap_t + rows + gap_p + slots, torch.long, self.device)
-        at = t + len(gap_t)
-        batch.input_ids, batch.positions = flat[:t], flat[at:at + t]
+        # one copy, each part 16-byte aligned (aligned_starts: the warm-up's own tensors are,
+        # so an odd-sized step would otherwise compile kernel variants the warm-up never ran)
+        parts = (ids, positions, rows, slots)
+        starts, total = aligned_starts([len(x) for x in parts])
+        values: list[int] = []
+        for part, at in zip(parts, starts):
+            values += [0] * (at - len(values)) + part
+        flat = to_device(values + [0] * (total - len(values)), torch.long, self.device)
+        ids_d, pos_d, rows_d, slots_d = (flat[at:at + len(x)] for x, at in zip(parts, starts))
+        batch.input_ids, batch.positions = ids_d, pos_d
         if self.token_buffer is not None:
-            at = 2 * at
-            self.token_buffer.fill(so, batch, (flat[at:at + p], flat[at + p + len(gap_p):]))
+            self.token_buffer.fill(so, batch, (rows_d, slots_d))
         return batch
 
     def execute(self, so: SchedulerOutput, grammar: StructuredOutputBatch | None = None) -> ModelRunnerOutput:

@@ -96,6 +96,19 @@ def reserve_staging(copier: "ResultCopier") -> None:
     copier.reserve(STAGING_RESULT_BYTES)
 
 
+def aligned_starts(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Start offsets (int64 elements) of parts of ``sizes`` packed into one flat tensor, each
+    at an even offset, and the flat length. Each view is then 16-byte aligned whatever the
+    sizes: Triton compiles a kernel once per pointer alignment, so a view at an odd offset
+    (e.g. a step's positions after an odd number of ids) would compile another variant of
+    every kernel reading it while serving."""
+    starts, at = [], 0
+    for n in sizes:
+        starts.append(at)
+        at += n + n % 2
+    return starts, at
+
+
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
     """``torch.tensor(values, dtype=dtype, device=device)`` without a host sync on CUDA.
     Small lists go through torch's caching pinned allocator: staging them in a

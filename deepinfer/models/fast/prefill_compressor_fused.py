@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from deepinfer.engine.transfer import aligned_starts
+
 from ..paged_batch import SeqMeta
 
 _FIELDS = ("win_src", "win_dest", "win_pos", "tail_src", "tail_dest", "ring_src", "ring_dest", "new_slots")
@@ -87,10 +89,8 @@ def build_fused_plan(seqs: list[SeqMeta], ratio: int, overlap: bool, ring_slots:
         cols = nwin if name == "win_src" else r if name == "tail_src" else 0
         arr = np.concatenate(parts[name]) if parts[name] else np.zeros((0, cols) if cols else 0, dtype=np.int64)
         arrays.append(arr.astype(np.int64))
-    # each view starts 16-byte aligned: Triton specializes a kernel on its pointers' alignment,
-    # so a view at an odd int64 offset would compile another variant mid-serving
-    starts = np.cumsum([0] + [a.size + a.size % 2 for a in arrays])
-    buf = np.zeros(int(starts[-1]), dtype=np.int64)
+    starts, total = aligned_starts([a.size for a in arrays])  # each view 16-byte aligned
+    buf = np.zeros(total, dtype=np.int64)
     for a, at in zip(arrays, starts):
         buf[at:at + a.size] = a.ravel()
     flat = torch.from_numpy(buf).to(device)
