@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from deepinfer.engine.transfer import aligned_starts
+
 from ...fast.decode import _inv_freq, grouped_out
 from ...fast.fused_weights import project
 from ...fast.invariant import is_invariant
@@ -67,10 +69,16 @@ class V41PrefillStep:
         ends = torch.repeat_interleave(torch.tensor([s.start + s.length for s in meta.seqs], dtype=torch.long), rep)
         first = torch.zeros(int(rep.sum()), dtype=torch.bool)
         first[torch.tensor([s.offset for s in meta.seqs], dtype=torch.long)] = True
-        host = torch.cat([slots, ends, first.long()]).to(dev)  # one host -> device copy
         n = first.shape[0]
+        starts, total = aligned_starts([n, n, n])  # one host -> device copy, each view 16-byte aligned
+        flat = torch.zeros(total, dtype=torch.long)
+        for part, at in zip((slots, ends, first.long()), starts):
+            flat[at:at + n] = part
+        host = flat.to(dev)
+        at_slots, at_ends, at_first = starts
         fl = torch.tensor(floor, dtype=torch.int32).to(dev) if floor is not None else None
-        return cls(meta, cache, slots=host[:n], first=host[2 * n:].bool(), ends=host[n:2 * n],
+        return cls(meta, cache, slots=host[at_slots:at_slots + n], first=host[at_first:at_first + n].bool(),
+                   ends=host[at_ends:at_ends + n],
                    inv_main=_inv_freq(model.rotary_main, dev), inv_comp=_inv_freq(model.rotary_compress, dev), floor=fl)
 
 
