@@ -125,7 +125,9 @@ def test_rewritten_schemas_are_admitted_and_outputs_validate(name: str, pool, fr
     spec = StructuredOutputSpec("json", schema)
     pool.check(spec)
     assert pool.plan(spec).backend == backend
-    texts = [t for t in random_walks(pool.submit(spec).result(), 40, fresh_seed) if t is not None]
+    # 160 walks: the least often completed schema (exclusive_required) finishes under a third
+    # of its 120-byte walks, and 40 walks left 4 texts for seed 2555401294 in a CI run
+    texts = [t for t in random_walks(pool.submit(spec).result(), 160, fresh_seed) if t is not None]
     assert len(texts) >= 5
     validator = V(schema, format_checker=V.FORMAT_CHECKER)
     for text in texts:
