@@ -122,11 +122,12 @@ class ModelRunner:
         # one copy, each part 16-byte aligned (aligned_starts: the warm-up's own tensors are,
         # so an odd-sized step would otherwise compile kernel variants the warm-up never ran)
         parts = (ids, positions, rows, slots)
-        starts, total = aligned_starts([len(x) for x in parts])
+        starts, _ = aligned_starts([len(x) for x in parts])
         values: list[int] = []
         for part, at in zip(parts, starts):
-            values += [0] * (at - len(values)) + part
-        flat = to_device(values + [0] * (total - len(values)), torch.long, self.device)
+            values.extend([0] * (at - len(values)))
+            values.extend(part)
+        flat = to_device(values, torch.long, self.device)  # no padding after the last part
         ids_d, pos_d, rows_d, slots_d = (flat[at:at + len(x)] for x, at in zip(parts, starts))
         batch.input_ids, batch.positions = ids_d, pos_d
         if self.token_buffer is not None:

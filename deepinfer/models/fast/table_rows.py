@@ -47,6 +47,8 @@ class TableRows:
         self._rows = grown
 
     def _write(self, gi: int, slot: int, table: list[int]) -> None:
+        if len(table) > self._rows.shape[2]:  # a table longer than any step's width so far
+            self._reserve(slot + 1, len(table))
         row = self._rows[gi, slot]
         row[:len(table)] = table
         row[len(table):] = 0
@@ -58,8 +60,7 @@ class TableRows:
         by its ``state_slot``), 0-padded; a table longer than ``width`` is cut to it.
         ``out``: written there (a view of the step's flat host inputs) instead of a new array."""
         slots = [r.state_slot for r in reqs]
-        longest = max((len(t) for r in reqs for t in r.block_table.values()), default=0)
-        self._reserve(max(slots, default=-1) + 1, max(width, longest))
+        self._reserve(max(slots, default=-1) + 1, width)
         for gi, g in enumerate(self.groups):
             src = self._src[gi]
             for r, slot in zip(reqs, slots):
