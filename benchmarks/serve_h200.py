@@ -172,15 +172,15 @@ async def served(url: str, args: argparse.Namespace, vocab: int, server_pid: int
     base = dict(base_url=url, random_input_len=args.prompt_len, random_output_len=args.new)
     warm = BenchConfig(num_prompts=args.batch, max_concurrency=args.batch, seed=2, **base)
     await run_bench(warm)
-    runs = []  # per repeat, as offline: (tok/s, results, wall, counters and CPU before / after)
+    runs = []  # per repeat, as offline: (tok/s, config, results, wall, counters and CPU before / after)
     for rep in range(args.saturation_repeats):
         sat = BenchConfig(num_prompts=args.waves * args.batch, max_concurrency=args.batch, seed=SATURATION_SEED + rep,
                           **base)
         before, cpu0 = await server_counters(url), host_cpu_s(server_pid)
         res, wall, _ = await run_bench(sat)
         cpu1, after = host_cpu_s(server_pid), await server_counters(url)
-        runs.append((sum(r.output_tokens for r in res if r.ok) / wall, rep, sat, res, wall, before, after, cpu0, cpu1))
-    _, _, sat, res, wall, before, after, cpu0, cpu1 = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+        runs.append((sum(r.output_tokens for r in res if r.ok) / wall, sat, res, wall, before, after, cpu0, cpu1))
+    _, sat, res, wall, before, after, cpu0, cpu1 = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
     tokens = sum(r.output_tokens for r in res if r.ok)
     # whether a host process, not the engine, bounds the run: ~1 CPU-second per second is a full core
     host = {name: {"cpu_s_per_s": (cpu1[name] - cpu0[name]) / wall,

@@ -15,7 +15,6 @@ to ``--out`` as ``decode_host_step_cpu_<commit>.json``; run it at two commits to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ from deepinfer.engine.request import Request  # noqa: E402
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from deepinfer.models.fast.decode_graphs import width_class  # noqa: E402
 from deepinfer.models.fast.runner import FastPath  # noqa: E402
+from deepinfer.profiling.records import save_json  # noqa: E402
 from deepinfer.sampling_params import SamplingParams  # noqa: E402
 
 BLOCK = 128
@@ -87,12 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
     cells = [tuple(int(v) for v in c.split("x")) for c in args.cells.split(",")]
     record = {"commit": commit(), "hardware": "cpu", "block_size": BLOCK, "groups": [g.name for g in GROUPS],
               "steps": args.steps, "cells": [cell(b, c, args.steps) for b, c in cells]}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"decode_host_step_cpu_{record['commit'][:7]}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
     for c in record["cells"]:
         print(f"batch {c['batch']:>4} x context {c['context']:>6}: {c['host_ms_per_step']:.3f} ms host per step")
+    save_json(args.out, f"decode_host_step_cpu_{record['commit'][:7]}.json", record)
     return record
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ from deepinfer.detokenizer import IncrementalDetokenizer  # noqa: E402
 from deepinfer.engine.admission import prompt_items  # noqa: E402
 from deepinfer.engine.kv_cache_manager import HybridKVCacheManager, KVCacheGroupSpec  # noqa: E402
 from deepinfer.engine.request import Request  # noqa: E402
+from deepinfer.profiling.records import save_json  # noqa: E402
 from deepinfer.sampling_params import SamplingParams  # noqa: E402
 
 VOCAB = 129280
@@ -80,13 +80,10 @@ def main(argv: list[str] | None = None) -> dict:
               "full_gc_ms_with_requests_alive": gc_full_ms,
               "prompt_ids_type": type(reqs[0].prompt_token_ids).__name__}
     gc.unfreeze()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"prompt_host_cost_cpu_{record['commit'][:7]}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
     print(f"{args.batch} x {args.context} ids: admit {admit_ms} ms, requests {request_ms} ms, detokenizers "
           f"{detok_ms} ms, block hashes {hash_ms} ms; one full GC after: {gc_full_ms} ms "
           f"(ids held as {record['prompt_ids_type']})")
+    save_json(args.out, f"prompt_host_cost_cpu_{record['commit'][:7]}.json", record)
     return record
 
 

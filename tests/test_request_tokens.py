@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.detokenizer import IncrementalDetokenizer
+from deepinfer.detokenizer import INITIAL_CONTEXT_TOKENS, IncrementalDetokenizer
 from deepinfer.engine.admission import token_id_lists
 from deepinfer.engine.request import Request
 from tests.test_kv_cache_manager import SP, admit, make
@@ -61,10 +61,18 @@ def test_block_hashes_are_sha256_of_int64_ids_chained() -> None:
 
 
 def test_detokenizer_context_comes_from_the_prompt_tail() -> None:
-    class Chars:  # id i decodes to chr(97 + i % 26)
+    """A long prompt (as the int64 array a request holds): only its last ids are ever decoded,
+    as context, and the output text is the output's alone."""
+    decoded: list[list[int]] = []
+
+    class Chars:  # id i decodes to chr(97 + i % 26); records every decode's ids
         def decode(self, ids, skip_special_tokens=True):
+            decoded.append(list(ids))
             return "".join(chr(97 + i % 26) for i in ids)
 
     long_prompt = array("q", np.random.default_rng().integers(0, 26, 50_000).tolist())
     d = IncrementalDetokenizer(Chars(), long_prompt)
     assert d.update([0, 1, 2]) == "abc" and d.text == "abc"
+    tail = long_prompt[-INITIAL_CONTEXT_TOKENS:].tolist()
+    assert decoded[0] == tail and all(ids[:len(tail)] == tail for ids in decoded[1:] if len(ids) > len(tail))
+    assert max(map(len, decoded)) <= INITIAL_CONTEXT_TOKENS + 3
