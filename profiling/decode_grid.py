@@ -48,8 +48,8 @@ from fastpath_bench import PrebuiltLLM, build, commit, sync  # noqa: E402
 from fastpath_check import token_ids  # noqa: E402
 
 from deepinfer import SamplingParams  # noqa: E402
-from deepinfer.profiling.compiles import TritonCompiles  # noqa: E402
 from deepinfer.models.tiny import mini_config, tiny_config  # noqa: E402
+from deepinfer.profiling.compiles import TritonCompiles  # noqa: E402
 from deepinfer.profiling.records import result_tag  # noqa: E402
 
 TAIL = 32  # tokens of its own per request (at least; the prefix is whole blocks)

@@ -26,8 +26,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
-from deepinfer.profiling.compiles import TritonCompiles  # noqa: E402
 from deepinfer.models.tiny import mini_config, tiny_config, write_tiny_checkpoint  # noqa: E402
+from deepinfer.profiling.compiles import TritonCompiles  # noqa: E402
 from deepinfer.profiling.records import result_tag, save_json  # noqa: E402
 
 
