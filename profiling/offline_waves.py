@@ -7,7 +7,14 @@ and reports, per wave, the step kinds (pure decode, prefill, mixed), their step 
 (`llm.metrics.steps_df`) and the fast path's counters (graph replays, eager and uncaptured steps),
 under async scheduling and the sync loop, so the slow steps get a name.
 
-    python3 profiling/offline_waves.py [--batch 64 --prompt-len 256 --new 128 --waves 4] [--tiny]
+The server's saturation row keeps ``batch`` requests in flight the way `deepinfer bench serve`
+does: a finished request is replaced only after its last delta has reached the client and the
+next request has come back over HTTP, so replacements land a few engine steps late and spread
+over several steps. The ``closed_loop_rtt<r>`` cases drive the engine core the same way without
+a server (each finished request is replaced after a random 0..r steps), so the cost of that
+staggering (more, smaller mixed steps) is measured apart from HTTP and the engine process.
+
+    python3 profiling/offline_waves.py [--batch 64 --prompt-len 256 --new 128 --waves 4 --rtt-steps 0,4] [--tiny]
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.engine.admission import admit_generate  # noqa: E402
 from deepinfer.models.tiny import mini_config, tiny_config, write_tiny_checkpoint  # noqa: E402
 from deepinfer.profiling.compiles import TritonCompiles  # noqa: E402
 from deepinfer.profiling.records import result_tag, save_json  # noqa: E402
@@ -60,9 +68,45 @@ def run_case(llm: LLM, n: int, args: argparse.Namespace, vocab: int, seed: int) 
         wall = time.perf_counter() - t
     df = llm.metrics.steps_df()
     after = dict(fast.stats) if fast else {}
-    return {"requests": n, "wall_s": wall, "tok_s": sum(len(o.token_ids) for o in outs) / wall,
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"requests": n, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
             "steps": int(len(df)), "wall_ms_per_step": 1000 * wall / max(len(df), 1),
             "step_ms_sum_over_wall": float(df.step_ms.sum() / 1000 / wall), "kinds": step_kinds(df),
+            "fast_path": {k: after[k] - before.get(k, 0) for k in after}, **compiles.summary()}
+
+
+def run_closed_loop(llm: LLM, n: int, args: argparse.Namespace, vocab: int, seed: int, rtt_steps: int) -> dict:
+    """``n`` requests through the engine core, at most ``args.batch`` in flight; each finished one
+    is replaced after a random 0..``rtt_steps`` engine steps (a client's round trip)."""
+    core, rng = llm.engine, random.Random(seed)
+    fast = llm.runner.fast
+    before = dict(fast.stats) if fast else {}
+    llm.metrics.reset()
+    sp = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
+    pending = prompts(n, args.prompt_len, vocab, seed)
+    due: list[int] = [0] * args.batch  # the step at which each free client sends its next request
+    step = tokens = 0
+
+    def send() -> None:
+        items, params = admit_generate(core, prompts=None, sampling_params=[sp], prompt_token_ids=[pending.pop()])
+        core.add_request(f"closed-{seed}-{len(pending)}", items[0][1], params[0])
+
+    with TritonCompiles() as compiles:
+        t = time.perf_counter()
+        while pending or core.has_unfinished():
+            while pending and due and min(due) <= step:
+                due.remove(min(due))
+                send()
+            for delta in core.step():
+                if delta.finished:
+                    tokens += len(core.output(delta.request_id).token_ids)
+                    due.append(step + rng.randint(0, rtt_steps))
+            step += 1
+        wall = time.perf_counter() - t
+    df = llm.metrics.steps_df()
+    after = dict(fast.stats) if fast else {}
+    return {"requests": n, "rtt_steps": rtt_steps, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "steps": int(len(df)),
+            "wall_ms_per_step": 1000 * wall / max(len(df), 1), "kinds": step_kinds(df),
             "fast_path": {k: after[k] - before.get(k, 0) for k in after}, **compiles.summary()}
 
 
@@ -72,6 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--waves", type=int, default=4)
+    ap.add_argument("--rtt-steps", default="0,4",
+                    help="closed-loop cases: a finished request is replaced after up to this many steps")
     ap.add_argument("--tiny", action="store_true", help="CPU stand-in (tests of this script)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
@@ -89,6 +135,10 @@ def main(argv: list[str] | None = None) -> dict:
         results[mode] = {"warmup": run_case(llm, args.batch, args, cfg.vocab_size, 0)}  # compiles, graphs
         results[mode] |= {f"waves_{w}": run_case(llm, w * args.batch, args, cfg.vocab_size, 10 + w)
                          for w in (1, args.waves)}
+        if mode == "async":  # the engine loop a served engine runs
+            results[mode] |= {f"closed_loop_rtt{r}": run_closed_loop(llm, args.waves * args.batch, args,
+                                                                     cfg.vocab_size, 20 + r, r)
+                              for r in (int(x) for x in args.rtt_steps.split(","))}
         del llm
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -101,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     for mode, cases in results.items():
         for name, r in cases.items():
             kinds = " ".join(f"{k}:{v['steps']}@{v['mean_ms']:.2f}" for k, v in r["kinds"].items())
-            print(f"{mode:<6} {name.removeprefix('waves_'):>6} {r['tok_s']:>8.0f} {r['steps']:>5} "
+            print(f"{mode:<6} {name.removeprefix('waves_').replace('closed_loop_', 'cl'):>6} {r['tok_s']:>8.0f} {r['steps']:>5} "
                   f"{r['wall_ms_per_step']:>8.3f} {r['compiles']:>8}  {kinds}  {r['fast_path']}")
     tag = result_tag(hw)
     save_json(args.out, f"offline_waves_{tag}_{commit}.json", out)
