@@ -104,6 +104,8 @@ def test_the_script_runs_on_cpu(tmp_path, monkeypatch):
             assert c["diag"]["host_busy_ms_per_step"] > 0
             reps = c["steady_step_ms_repeats"]  # the cell's step time is the median steady call's
             assert len(reps) == 3 and c["step_ms"] == sorted(reps)[1]
+            calls = c["steady_call_s_repeats"]  # every steady call, beside the first, for their spread
+            assert len(calls) == 3 and c["steady_call_s"] in calls and c["first_call_s"] > 0
         assert eng["first_generate"]["first_probe"]["steps"] >= 3
     remedy = out["engines"]["max_model_len=256"]["remedies"]
     assert remedy["batch"] in (1, 2) and remedy["after_sorting_free_blocks"] > 0
