@@ -105,8 +105,8 @@ def run_closed_loop(llm: LLM, n: int, args: argparse.Namespace, vocab: int, seed
         wall = time.perf_counter() - t
     df = llm.metrics.steps_df()
     after = dict(fast.stats) if fast else {}
-    return {"requests": n, "rtt_steps": rtt_steps, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "steps": int(len(df)),
-            "wall_ms_per_step": 1000 * wall / max(len(df), 1), "kinds": step_kinds(df),
+    return {"requests": n, "rtt_steps": rtt_steps, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "steps": int(len(df)), "wall_ms_per_step": 1000 * wall / max(len(df), 1), "kinds": step_kinds(df),
             "fast_path": {k: after[k] - before.get(k, 0) for k in after}, **compiles.summary()}
 
 
