@@ -10,9 +10,10 @@ KV-cache rounding is not simulated: compare models built with simulate_kv_quant=
 The indexer's top-k is a discrete choice over float32 sums that often sit at zero (relu
 zeroes many head scores, and weights of both signs can cancel what remains), so a sum that
 one op order makes -5e-8 and another exactly 0 can pick a different entry and move the
-logits by 1e-1: numerics, not a bug. ``ties`` (a list) collects, per index layer, the
-rows whose choice rests on such a near-tie, judged on float64 sums; tests draw another
-prompt instead of comparing those (`unambiguous_tokens`).
+logits by 1e-1: numerics, not a bug. The MoE router's top-k of score + bias is the same
+kind of choice. ``ties`` (a list) collects, per index layer and per router, the rows whose
+choice rests on such a near-tie, judged on float64 sums; tests draw another prompt
+instead of comparing those (`unambiguous_tokens`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deepinfer.models.moe import score
 from deepinfer.models.rope import apply_rope
 
 
@@ -54,21 +56,30 @@ NEAR_TIE_REL = 1e-6
 
 
 def _near_tie_rows(scores64: torch.Tensor, k: int) -> list[int]:
-    """Rows of ``scores64`` [t, g] (float64, -inf = unavailable) whose top-``k`` boundary
+    """Rows of ``scores64`` [t, g] (float64, -inf = unavailable, +inf = always kept) whose top-``k`` boundary
     has an unselected score within NEAR_TIE_REL of the k-th that is not exactly equal to it
     (exact ties, e.g. relu's zeros, break by entry id on every path)."""
     rows = []
     order = torch.sort(scores64, dim=-1, descending=True, stable=True).values
     for row in range(scores64.shape[0]):
-        vals = order[row][order[row] > float("-inf")]
-        if len(vals) <= k:
+        forced = int((order[row] == float("inf")).sum())  # always kept: not part of the contest
+        vals = order[row][(order[row] > float("-inf")) & (order[row] < float("inf"))]
+        k_row = k - forced
+        if k_row <= 0 or len(vals) <= k_row:
             continue
         eps = NEAR_TIE_REL * float(vals.abs().max())
-        kth, rest = vals[k - 1], vals[k:]
+        kth, rest = vals[k_row - 1], vals[k_row:]
         near = rest[(kth - rest) <= eps]
-        if len(near) and not bool((near == kth).all() and (vals[:k][(vals[:k] - kth) <= eps] == kth).all()):
+        if len(near) and not bool((near == kth).all() and (vals[:k_row][(vals[:k_row] - kth) <= eps] == kth).all()):
             rows.append(row)
     return rows
+
+
+def _router_scores64(gate, x: torch.Tensor) -> torch.Tensor:
+    """The router's selection scores (score + bias) in float64: its top-k is the same kind
+    of discrete choice as the indexer's, and a batch of another size may round it apart."""
+    with torch.no_grad():
+        return score(x.double() @ gate.weight.double().T / gate.temp, gate.func) + gate.bias.double()
 
 
 def unambiguous_tokens(model, draw, cuts: tuple[int, ...] = (0,), tries: int = 20, views=None) -> list[int]:
@@ -169,6 +180,10 @@ def dense_logits(model, tokens: list[int], cut: int = 0, ties: list | None = Non
                         bs = cfg.candidate_block_size
                         nb = -(-g // bs)
                         blocks = F.pad(s64, (0, nb * bs - g), value=float("-inf")).view(t, nb, bs).amax(-1)
+                        # the newest block is always kept (as `_candidates` does): the others compete for the rest
+                        for row in range(t):
+                            if lens[row] > 0:
+                                blocks[row, (lens[row] - 1) // bs] = float("inf")
                         ties += [(i, "blocks", row) for row in _near_tie_rows(blocks, cfg.candidate_topk_blocks)]
                 if i == c:
                     cand = _candidates(s, lens, cfg.candidate_topk_blocks, cfg.candidate_block_size)
@@ -196,6 +211,8 @@ def dense_logits(model, tokens: list[int], cut: int = 0, ties: list | None = Non
         streams = _expand(out, streams, a_post, a_comb)
         f_pre, f_post, f_comb = _mix(streams, layer.hc_ffn_fn, layer.hc_ffn_base, layer.hc_ffn_scale, cfg)
         x = layer.ffn_norm(_collapse(streams, a_pre))
+        if ties is not None:
+            ties += [(i, "experts", row) for row in _near_tie_rows(_router_scores64(layer.ffn.gate, x), layer.ffn.gate.top_k)]
         streams = _expand(layer.ffn(x, ids), streams, f_post, f_comb)
         pre = f_pre
     return model.compute_logits(_collapse(streams, pre))
