@@ -19,12 +19,14 @@ staggering (more, smaller mixed steps) is measured apart from HTTP and the engin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -56,32 +58,40 @@ def step_kinds(df) -> dict[str, dict[str, float]]:
     return out
 
 
-def run_case(llm: LLM, n: int, args: argparse.Namespace, vocab: int, seed: int) -> dict:
+@contextlib.contextmanager
+def measured(llm: LLM) -> Iterator[dict]:
+    """Time the block's engine steps: the caller sets ``rec["tokens"]``; on exit ``rec`` gains the
+    wall time, tok/s, step count and kinds, the fast path's counters and the Triton compiles
+    (a kernel compiled inside the measured call costs its steps)."""
     fast = llm.runner.fast
     before = dict(fast.stats) if fast else {}
     llm.metrics.reset()
-    sp = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
-    with TritonCompiles() as compiles:  # a kernel compiled inside the measured call costs its steps
+    rec: dict = {}
+    with TritonCompiles() as compiles:
         t = time.perf_counter()
-        outs = llm.generate(prompt_token_ids=prompts(n, args.prompt_len, vocab, seed), sampling_params=sp,
-                            use_tqdm=False)
+        yield rec
         wall = time.perf_counter() - t
     df = llm.metrics.steps_df()
     after = dict(fast.stats) if fast else {}
-    tokens = sum(len(o.token_ids) for o in outs)
-    return {"requests": n, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "steps": int(len(df)), "wall_ms_per_step": 1000 * wall / max(len(df), 1),
+    rec |= {"wall_s": wall, "tok_s": rec["tokens"] / wall, "steps": int(len(df)),
+            "wall_ms_per_step": 1000 * wall / max(len(df), 1),
             "step_ms_sum_over_wall": float(df.step_ms.sum() / 1000 / wall), "kinds": step_kinds(df),
             "fast_path": {k: after[k] - before.get(k, 0) for k in after}, **compiles.summary()}
+
+
+def run_case(llm: LLM, n: int, args: argparse.Namespace, vocab: int, seed: int) -> dict:
+    sp = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
+    with measured(llm) as rec:
+        outs = llm.generate(prompt_token_ids=prompts(n, args.prompt_len, vocab, seed), sampling_params=sp,
+                            use_tqdm=False)
+        rec["tokens"] = sum(len(o.token_ids) for o in outs)
+    return {"requests": n, **rec}
 
 
 def run_closed_loop(llm: LLM, n: int, args: argparse.Namespace, vocab: int, seed: int, rtt_steps: int) -> dict:
     """``n`` requests through the engine core, at most ``args.batch`` in flight; each finished one
     is replaced after a random 0..``rtt_steps`` engine steps (a client's round trip)."""
     core, rng = llm.engine, random.Random(seed)
-    fast = llm.runner.fast
-    before = dict(fast.stats) if fast else {}
-    llm.metrics.reset()
     sp = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
     pending = prompts(n, args.prompt_len, vocab, seed)
     due: list[int] = [0] * args.batch  # the step at which each free client sends its next request
@@ -91,8 +101,7 @@ def run_closed_loop(llm: LLM, n: int, args: argparse.Namespace, vocab: int, seed
         items, params = admit_generate(core, prompts=None, sampling_params=[sp], prompt_token_ids=[pending.pop()])
         core.add_request(f"closed-{seed}-{len(pending)}", items[0][1], params[0])
 
-    with TritonCompiles() as compiles:
-        t = time.perf_counter()
+    with measured(llm) as rec:
         while pending or core.has_unfinished():
             while pending and due and min(due) <= step:
                 due.remove(min(due))
@@ -102,12 +111,8 @@ def run_closed_loop(llm: LLM, n: int, args: argparse.Namespace, vocab: int, seed
                     tokens += len(core.output(delta.request_id).token_ids)
                     due.append(step + rng.randint(0, rtt_steps))
             step += 1
-        wall = time.perf_counter() - t
-    df = llm.metrics.steps_df()
-    after = dict(fast.stats) if fast else {}
-    return {"requests": n, "rtt_steps": rtt_steps, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "steps": int(len(df)), "wall_ms_per_step": 1000 * wall / max(len(df), 1), "kinds": step_kinds(df),
-            "fast_path": {k: after[k] - before.get(k, 0) for k in after}, **compiles.summary()}
+        rec["tokens"] = tokens
+    return {"requests": n, "rtt_steps": rtt_steps, **rec}
 
 
 def main(argv: list[str] | None = None) -> dict:
