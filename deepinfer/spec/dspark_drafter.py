@@ -215,6 +215,9 @@ class DSparkDrafter(Drafter):
             return False
         self._n_graph = min(self.k, self.gamma)
         self._rotary = device_rotary(self.model.rotary_main, self.model.embed.weight.device)
+        # the confidence head's per-position temperatures, on the device once (no copy in a capture)
+        self._temperatures_dev = torch.tensor(self.temperatures[:self._n_graph], dtype=torch.float32,
+                                              device=self.model.embed.weight.device)
         hidden = self.family.dspark_stages_hidden()  # the family's compiled pass of its stages
         cols = N_COLS + self.cfg.sliding_window - 1
         graphs = DraftGraphs(lambda inp, greedy_only: self._graph_body(hidden, inp, greedy_only), cols,
@@ -239,7 +242,7 @@ class DSparkDrafter(Drafter):
         h = hidden(self.model, self.stages, self.fast_ops, ids, pos, G, self._context_kvs(slots), ctx_pos,
                    self._rotary)
         logits = self.model.head(h).float()
-        return sample_block(inp, logits.view(R, G, -1), h.view(R, G, -1), self.stages[-1], self.temperatures,
+        return sample_block(inp, logits.view(R, G, -1), h.view(R, G, -1), self.stages[-1], self._temperatures_dev,
                             self._n_graph, greedy_only, lambda z, st: sample_draft(z, st, self.sampler))
 
     def _propose_graphed(self, last_tokens: list[int], last_pos: list[int], tables: list[list[int]],

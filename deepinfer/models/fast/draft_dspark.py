@@ -8,8 +8,8 @@ Same math as ``DSparkDrafter.draft_logits`` + ``DSparkDrafter.draft``
   `deepinfer/models/v4/fast/draft.py` (fused mHC, the fused MoE), V4.1's in
   `deepinfer/models/v41/fast/draft.py` (shifted hyper-connections);
 * :func:`sample_block`: for j < n, ``d_{j+1} ~ logits_j + W2 W1[x_j]`` with the request's
-  settings and the DRAFT stream at position ``p + 2 + j``, ``c_{j+1} = sigmoid(w . [h_j ;
-  W1[x_j]] / T_j)``; every draw stays on the device (``sample`` is the spec runner's
+  settings and the DRAFT stream at position ``p + 2 + j``, then ``c_{j+1} = sigmoid(w . [h_j ;
+  W1[x_j]] / T_j)`` for every j at once; every draw stays on the device (``sample`` is the spec runner's
   ``sample_draft``, passed in so that this package does not import ``deepinfer.spec``).
 
 The block's inputs come from one int64 tensor per bucket (:data:`INPUT_COLUMNS` then the
@@ -19,6 +19,7 @@ W - 1 context slots): ids, positions and the context's positions are derived on 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +28,9 @@ import torch
 from deepinfer.engine.sampler import SamplingTensors
 
 from ..rope import Rotary
-from ..v4.dspark import NO_POSITION
-from .decode import _inv_freq
+from ..v4.dspark import NO_POSITION, block_attention
+from .decode import _inv_freq, grouped_out
+from .fused_weights import project
 
 #: Per-request columns of a draft step's input tensor, before the context slots.
 INPUT_COLUMNS = ("last_token", "last_pos", "seed", "greedy", "temperature_bits")
@@ -59,6 +61,27 @@ def device_rotary(rotary: Rotary, device: torch.device) -> Rotary:
     return out
 
 
+def stage_block_attention(attn: torch.nn.Module, ops: Any, x: torch.Tensor, pos: torch.Tensor, gamma: int,
+                          ctx_kv: torch.Tensor, ctx_pos: torch.Tensor, inv_freq: torch.Tensor, q_norm: str,
+                          kv_quant: str = "none") -> torch.Tensor:
+    """A DSpark stage's ``_block_attention`` on the fast path's kernels: x [R * gamma, D]
+    (normed) -> [R * gamma, D]. One GEMM for [wq_a, wkv], q_norm, wq_b, the query's norm
+    (``q_norm``: V4 ``unweighted``, V4.1 ``none``) + RoPE and kv's norm + RoPE (+ the window
+    KV rounding ``kv_quant``) each one ``norm_rope``, the block attention (torch), the
+    output's inverse RoPE one ``norm_rope``, wo_a, wo_b: the reference's rms norms and
+    three RoPEs are ~60 small kernels a stage, which a graphed draft step pays one by one."""
+    n, cfg = x.shape[0], attn.cfg
+    proj = project(attn, "x", [attn.wq_a, attn.wkv], x)
+    q_res = ops.rms_norm(proj[0], attn.q_norm.weight, attn.q_norm.eps)
+    q = ops.norm_rope(attn.wq_b(q_res).view(n, attn.n_heads, attn.head_dim), pos, inv_freq, q_norm,
+                      eps=cfg.rms_norm_eps)
+    kv = ops.norm_rope(proj[1], pos, inv_freq, "weighted", attn.kv_norm.weight, attn.kv_norm.eps, quant=kv_quant,
+                       quant_block=32)
+    out = block_attention(q, kv, pos, gamma, ctx_kv, ctx_pos, attn.window, attn.attn_sink)
+    o = ops.norm_rope(out, pos, inv_freq, "none", inverse=True, out_dtype=x.dtype)
+    return attn.wo_b(grouped_out(attn.wo_a, o.reshape(n, cfg.o_groups, -1), ops))
+
+
 def block_sampling(inp: torch.Tensor, j: int, greedy_only: bool) -> SamplingTensors:
     """Sampling tensors of draft j of every block (temperature only: steps with top-k / top-p /
     min-p run eagerly), position p + 2 + j, on the device."""
@@ -72,24 +95,32 @@ def block_sampling(inp: torch.Tensor, j: int, greedy_only: bool) -> SamplingTens
 
 
 def sample_block(inp: torch.Tensor, logits: torch.Tensor, h: torch.Tensor, last_stage: Any,
-                 temperatures: list[float], n: int, greedy_only: bool, sample: Callable
+                 temperatures: torch.Tensor, n: int, greedy_only: bool, sample: Callable
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sequential sampling of n drafts per block: logits [R, gamma, V] (no Markov bias yet),
-    h [R, gamma, D] -> (packed [R, 2n] int64: the tokens, then the confidences' float32 bits;
-    q [R, n, V] or None when ``greedy_only``)."""
+    h [R, gamma, D], ``temperatures`` float32 [n] on the device (the confidence head's per
+    position) -> (packed [R, 2n] int64: the tokens, then the confidences' float32 bits;
+    q [R, n, V] or None when ``greedy_only``). Only the draws are sequential: the sampling
+    tensors are built once and the confidences of all n positions come from one head call,
+    so each draft costs the Markov bias and the draw (a graphed step pays every kernel)."""
     markov, head = last_stage.markov_head, last_stage.confidence_head
+    r = inp.shape[0]
+    params = block_sampling(inp, 0, greedy_only)
     prev = inp[:, 0]
-    toks, confs, qs = [], [], []
+    toks, embs, qs = [], [], []
     for j in range(n):
         emb = markov.embedding(prev)
-        z = logits[:, j] + markov(prev)
-        confs.append(head(h[:, j], emb, temperatures[j]))
-        tok, q = sample(z, block_sampling(inp, j, greedy_only))
+        embs.append(emb)
+        if j and not greedy_only:  # greedy draws read no position
+            params = dataclasses.replace(params, position=inp[:, 1] + 2 + j)
+        tok, q = sample(logits[:, j] + markov.bias(emb), params)
         toks.append(tok)
         if q is not None:
             qs.append(q)
         prev = tok
-    conf_bits = torch.stack(confs, dim=1).float().view(torch.int32).to(torch.int64)
+    conf = head(h[:, :n].reshape(r * n, -1), torch.stack(embs, dim=1).reshape(r * n, -1),
+                temperatures.repeat(r))
+    conf_bits = conf.float().view(r, n).view(torch.int32).to(torch.int64)
     packed = torch.cat([torch.stack(toks, dim=1), conf_bits], dim=1)
     return packed, (torch.stack(qs, dim=1) if qs else None)
 
@@ -101,4 +132,4 @@ def unpack_block(packed: list[list[int]], n: int) -> tuple[list[list[int]], list
 
 
 __all__ = ["INPUT_COLUMNS", "N_COLS", "block_rows", "block_sampling", "device_rotary", "sample_block",
-           "unpack_block"]
+           "stage_block_attention", "unpack_block"]

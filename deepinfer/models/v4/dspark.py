@@ -42,7 +42,11 @@ class MarkovHead(nn.Module):
 
     def forward(self, prev_tokens: torch.Tensor) -> torch.Tensor:
         """[R] token ids -> [R, vocab] bias W2 @ W1[prev] (float32)."""
-        return self.markov_w2(self.embedding(prev_tokens)).float()
+        return self.bias(self.embedding(prev_tokens))
+
+    def bias(self, embedding: torch.Tensor) -> torch.Tensor:
+        """[R, rank] rows W1[prev] -> [R, vocab] bias W2 @ W1[prev] (float32)."""
+        return self.markov_w2(embedding).float()
 
 
 class ConfidenceHead(nn.Module):
@@ -54,7 +58,8 @@ class ConfidenceHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, markov_emb: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """hidden [R, D] (normed last-stage hidden), markov_emb [R, rank] (W1[previous
-        token]) -> [R] float32 survival probabilities sigmoid(w . [h ; e] / T)."""
+        token]) -> [R] float32 survival probabilities sigmoid(w . [h ; e] / T); ``temperature``
+        may be a tensor that broadcasts against [R]."""
         z = self.proj(torch.cat([hidden, markov_emb.to(hidden.dtype)], dim=-1)).float().squeeze(-1)
         return torch.sigmoid(z / temperature)
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ...fast.decode import _inv_freq
+from ...fast.draft_dspark import stage_block_attention
 from ...fast.forward import head_hidden, run_block
 from ...rope import Rotary
 
@@ -20,12 +22,12 @@ def stages_hidden_v4(model: Any, stages: list, ops: Any, ids: torch.Tensor, pos:
                      ) -> torch.Tensor:
     """V4 stages over R blocks with fused mHC / MoE -> the normed hidden [R * gamma, D]
     (``rotary``: the model's main rope, on the device inside a graph)."""
-    rotary = rotary or model.rotary_main
+    inv = _inv_freq(rotary or model.rotary_main, ids.device)
     streams = model.embed(ids).unsqueeze(1).expand(-1, model.cfg.hc_mult, -1)
     prev = None
     for stage, ctx_kv in zip(stages, ctx_kvs):
-        def attention(attn, x, stage=stage, ctx_kv=ctx_kv):
-            return stage._block_attention(x, pos, gamma, ctx_kv, ctx_pos, rotary)
+        def attention(attn, x, ctx_kv=ctx_kv):
+            return stage_block_attention(attn, ops, x, pos, gamma, ctx_kv, ctx_pos, inv, "unweighted")
 
         streams, prev = run_block(stage, streams, prev, ids, ops, attention)
     return head_hidden(stages[-1], ops, streams, prev)

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ...fast.decode import _inv_freq
+from ...fast.draft_dspark import stage_block_attention
 from ...fast.moe import moe_forward
 from ...rope import Rotary
 from .forward import _first_pre, _route_logits, _site
@@ -20,7 +22,7 @@ def stages_hidden_v41(model: Any, stages: list, ops: Any, ids: torch.Tensor, pos
                       ctx_kvs: list[torch.Tensor], ctx_pos: torch.Tensor, rotary: Rotary | None = None
                       ) -> torch.Tensor:
     """V4.1 stages (shifted hyper-connections) over R blocks -> the normed hidden [R * gamma, D]."""
-    cfg, rotary = stages[0].cfg, rotary or model.rotary_main
+    cfg, inv = stages[0].cfg, _inv_freq(rotary or model.rotary_main, ids.device)
     iters, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
     streams = model.embed(ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1)
     pre, prev = _first_pre(streams), None
@@ -28,7 +30,9 @@ def stages_hidden_v41(model: Any, stages: list, ops: Any, ids: torch.Tensor, pos
         new, a_pre, a_post, a_comb, x = ops.hc_shifted(streams, *_site(stage, "attn"), iters, hc_eps, eps, pre,
                                                        (stage.attn_norm.weight, stage.attn_norm.eps), prev)
         streams = streams if new is None else new
-        out = stage._block_attention(x, pos, gamma, ctx_kv, ctx_pos, rotary)
+        attn = stage.attn  # V4.1: no per-head query norm; window KV rounded as the backbone stores it
+        out = stage_block_attention(attn, ops, x, pos, gamma, ctx_kv, ctx_pos, inv, "none",
+                                    "fp8" if attn.sim else "none")
         streams, pre, f_post, f_comb, x = ops.hc_shifted(streams, *_site(stage, "ffn"), iters, hc_eps, eps, a_pre,
                                                          (stage.ffn_norm.weight, stage.ffn_norm.eps),
                                                          (out, a_post, a_comb))
