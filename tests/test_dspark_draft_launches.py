@@ -1,6 +1,6 @@
 """A graphed DSpark draft step (the stages' block pass, the head, the Markov bias, the
-confidence head and the block's greedy draws) launches few kernels and never syncs with
-the host: inside a CUDA graph every kernel still costs its few microseconds, and at small
+confidence head and the block's greedy draws), and the graphed write of a verify step's
+context K/V, launch few kernels and never sync with the host: inside a CUDA graph every kernel still costs its few microseconds, and at small
 batches the draft step is made of small kernels. Counted on CPU with the interpreted
 Triton kernels, V4 and V4.1 (three stages each)."""
 
@@ -51,3 +51,15 @@ def test_graphed_draft_step_launch_budget(tmp_path, monkeypatch, family):
     assert step.triton["_norm_rope_kernel"] == 3 * stages
     assert step.torch_ops["pow"] == 0, "an RMSNorm ran as torch ops"
     assert step.total <= MAX_LAUNCHES, step.summary()
+
+    # the context K/V of a verify step's rows: main_proj + main_norm, every stage's wkv in one
+    # GEMM, per stage one norm + RoPE and one scatter (the reference modules: ~97 launches)
+    width = len(drafter.target_layers) * drafter.cfg.hidden_size
+    feats = torch.randn(2, width, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    ints = torch.tensor([[40, 41], [0, 1]])
+    write = LaunchCounter()
+    with write, torch.no_grad():
+        drafter.feature_graphs.body(feats, ints)
+    assert write.host_syncs == 0 and write.torch_ops["pow"] == 0
+    assert write.triton["_norm_rope_kernel"] == stages
+    assert write.total <= 3 * stages + 4, write.summary()

@@ -40,7 +40,7 @@ import numpy as np
 
 from deepinfer import batch_invariant
 from deepinfer.engine import rng
-from deepinfer.models.fast.draft_dspark import N_COLS, block_rows, sample_block
+from deepinfer.models.fast.draft_dspark import N_COLS, block_rows, sample_block, write_context_kv
 from deepinfer.models.fast.draft_dspark import device_rotary, unpack_block
 from deepinfer.models.fast.draft_graphs import DraftGraphs, FeatureGraphs
 from deepinfer.models.fast.forward import blocks_supported
@@ -140,8 +140,10 @@ class DSparkDrafter(Drafter):
             pool.view(-1, *pool.shape[2:])[slots] = kv.to(pool.dtype)
 
     def _feature_body(self, x: torch.Tensor, ints: torch.Tensor) -> None:
-        s0 = self.stages[0]
-        self._write_context(s0.main_norm(s0.main_proj(x)), ints[0], ints[1], self._rotary)
+        # the ops the feature graphs were captured with (prepare_graphs: the fast path's)
+        pools = [self.cache.swa[self._cache_id(s)] for s in range(len(self.stages))]
+        write_context_kv(self.stages, self._graph_ops, x, ints[0], ints[1],
+                         [pool.view(-1, *pool.shape[2:]) for pool in pools], self._rotary.inv_freq)
 
     # ------------------------------------------------------------------ drafting
     @torch.no_grad()
@@ -214,6 +216,7 @@ class DSparkDrafter(Drafter):
                 or self.family.dspark_stages_hidden is None):
             return False
         self._n_graph = min(self.k, self.gamma)
+        self._graph_ops = self.fast_ops
         self._rotary = device_rotary(self.model.rotary_main, self.model.embed.weight.device)
         # the confidence head's per-position temperatures, on the device once (no copy in a capture)
         self._temperatures_dev = torch.tensor(self.temperatures[:self._n_graph], dtype=torch.float32,

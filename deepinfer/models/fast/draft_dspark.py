@@ -82,6 +82,22 @@ def stage_block_attention(attn: torch.nn.Module, ops: Any, x: torch.Tensor, pos:
     return attn.wo_b(grouped_out(attn.wo_a, o.reshape(n, cfg.o_groups, -1), ops))
 
 
+def write_context_kv(stages: list, ops: Any, features: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                     pools: list[torch.Tensor], inv_freq: torch.Tensor) -> None:
+    """``DSparkDrafter._write_context`` of target-feature rows on the fast path's kernels:
+    main_norm(main_proj(features)) [L, D], every stage's wkv in one GEMM, then per stage its
+    kv_norm + RoPE (+ its window KV rounding) in one ``norm_rope`` and one scatter into its
+    window pool (``pools[s]`` flattened to [rows, head_dim], rows ``slots``)."""
+    s0 = stages[0]
+    main_x = ops.rms_norm(s0.main_proj(features), s0.main_norm.weight, s0.main_norm.eps)
+    kvs = project(s0, "dspark_context_wkv", [stage.attn.wkv for stage in stages], main_x)
+    for stage, kv_raw, pool in zip(stages, kvs, pools):
+        attn = stage.attn
+        kv = ops.norm_rope(kv_raw, pos, inv_freq, "weighted", attn.kv_norm.weight, attn.kv_norm.eps,
+                           quant=stage.window_kv_quant, quant_block=32)
+        pool[slots] = kv.to(pool.dtype)
+
+
 def block_sampling(inp: torch.Tensor, j: int, greedy_only: bool) -> SamplingTensors:
     """Sampling tensors of draft j of every block (temperature only: steps with top-k / top-p /
     min-p run eagerly), position p + 2 + j, on the device."""
@@ -132,4 +148,4 @@ def unpack_block(packed: list[list[int]], n: int) -> tuple[list[list[int]], list
 
 
 __all__ = ["INPUT_COLUMNS", "N_COLS", "block_rows", "block_sampling", "device_rotary", "sample_block",
-           "stage_block_attention", "unpack_block"]
+           "stage_block_attention", "unpack_block", "write_context_kv"]

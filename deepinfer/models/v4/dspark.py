@@ -81,6 +81,9 @@ class DSparkStage(Block):
             self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, dtype)
             self.confidence_head = ConfidenceHead(h, cfg.dspark_markov_rank, dtype)
 
+    #: How the stage rounds its window KV (a ``norm_rope`` quant mode): V4 keeps it as computed.
+    window_kv_quant = "none"
+
     # ------------------------------------------------------------------ drafting
     def context_kv(self, main_x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         """Keys/values of target-feature rows for this stage: RoPE(kv_norm(wkv(main_x))) at

@@ -45,6 +45,11 @@ class DSparkStage41(Block41):
             self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, dtype)
             self.confidence_head = ConfidenceHead(h, cfg.dspark_markov_rank, dtype)
 
+    @property
+    def window_kv_quant(self) -> str:
+        """How the stage rounds its window KV (a ``norm_rope`` quant mode): as the backbone stores it."""
+        return "fp8" if self.attn.sim else "none"
+
     def _window_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         attn = self.attn
         kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)

@@ -30,9 +30,8 @@ def stages_hidden_v41(model: Any, stages: list, ops: Any, ids: torch.Tensor, pos
         new, a_pre, a_post, a_comb, x = ops.hc_shifted(streams, *_site(stage, "attn"), iters, hc_eps, eps, pre,
                                                        (stage.attn_norm.weight, stage.attn_norm.eps), prev)
         streams = streams if new is None else new
-        attn = stage.attn  # V4.1: no per-head query norm; window KV rounded as the backbone stores it
-        out = stage_block_attention(attn, ops, x, pos, gamma, ctx_kv, ctx_pos, inv, "none",
-                                    "fp8" if attn.sim else "none")
+        out = stage_block_attention(stage.attn, ops, x, pos, gamma, ctx_kv, ctx_pos, inv, "none",  # no query norm
+                                    stage.window_kv_quant)
         streams, pre, f_post, f_comb, x = ops.hc_shifted(streams, *_site(stage, "ffn"), iters, hc_eps, eps, a_pre,
                                                          (stage.ffn_norm.weight, stage.ffn_norm.eps),
                                                          (out, a_post, a_comb))
