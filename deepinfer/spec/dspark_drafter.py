@@ -140,7 +140,7 @@ class DSparkDrafter(Drafter):
             pool.view(-1, *pool.shape[2:])[slots] = kv.to(pool.dtype)
 
     def _feature_body(self, x: torch.Tensor, ints: torch.Tensor) -> None:
-        # the ops the feature graphs were captured with (prepare_graphs: the fast path's)
+        # the ops the graphs were captured with (prepare_graphs: the fast path's)
         pools = [self.cache.swa[self._cache_id(s)] for s in range(len(self.stages))]
         write_context_kv(self.stages, self._graph_ops, x, ints[0], ints[1],
                          [pool.view(-1, *pool.shape[2:]) for pool in pools], self._rotary.inv_freq)
@@ -242,7 +242,7 @@ class DSparkDrafter(Drafter):
         """The whole draft step of the blocks of ``inp`` on the device (`fast/draft_dspark.py`)."""
         G, R = self.gamma, inp.shape[0]
         ids, pos, slots, ctx_pos = block_rows(inp, G, self.cfg.sliding_window, self.cfg.dspark_noise_token_id)
-        h = hidden(self.model, self.stages, self.fast_ops, ids, pos, G, self._context_kvs(slots), ctx_pos,
+        h = hidden(self.model, self.stages, self._graph_ops, ids, pos, G, self._context_kvs(slots), ctx_pos,
                    self._rotary)
         logits = self.model.head(h).float()
         return sample_block(inp, logits.view(R, G, -1), h.view(R, G, -1), self.stages[-1], self._temperatures_dev,

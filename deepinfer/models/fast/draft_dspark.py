@@ -69,7 +69,7 @@ def stage_block_attention(attn: torch.nn.Module, ops: Any, x: torch.Tensor, pos:
     (``q_norm``: V4 ``unweighted``, V4.1 ``none``) + RoPE and kv's norm + RoPE (+ the window
     KV rounding ``kv_quant``) each one ``norm_rope``, the block attention (torch), the
     output's inverse RoPE one ``norm_rope``, wo_a, wo_b: the reference's rms norms and
-    three RoPEs are ~60 small kernels a stage, which a graphed draft step pays one by one."""
+    three RoPEs are dozens of small kernels a stage, which a graphed draft step pays one by one."""
     n, cfg = x.shape[0], attn.cfg
     proj = project(attn, "x", [attn.wq_a, attn.wkv], x)
     q_res = ops.rms_norm(proj[0], attn.q_norm.weight, attn.q_norm.eps)
@@ -98,6 +98,11 @@ def write_context_kv(stages: list, ops: Any, features: torch.Tensor, pos: torch.
         pool[slots] = kv.to(pool.dtype)
 
 
+def draft_position(inp: torch.Tensor, j: int) -> torch.Tensor:
+    """Position of draft j of every block of ``inp``: p + 2 + j (p: the last token's)."""
+    return inp[:, 1] + 2 + j
+
+
 def block_sampling(inp: torch.Tensor, j: int, greedy_only: bool) -> SamplingTensors:
     """Sampling tensors of draft j of every block (temperature only: steps with top-k / top-p /
     min-p run eagerly), position p + 2 + j, on the device."""
@@ -106,7 +111,7 @@ def block_sampling(inp: torch.Tensor, j: int, greedy_only: bool) -> SamplingTens
     temperature = inp[:, 4].to(torch.int32).view(torch.float32)
     return SamplingTensors(temperature=temperature, top_k=torch.full((r,), -1, dtype=torch.long, device=dev),
                            top_p=torch.ones(r, device=dev), min_p=torch.zeros(r, device=dev), seed=inp[:, 2],
-                           position=inp[:, 1] + 2 + j, greedy=greedy, max_top_logprobs=0, all_greedy=greedy_only,
+                           position=draft_position(inp, j), greedy=greedy, max_top_logprobs=0, all_greedy=greedy_only,
                            any_top_k=False, any_top_p=False, any_min_p=False)
 
 
@@ -128,7 +133,7 @@ def sample_block(inp: torch.Tensor, logits: torch.Tensor, h: torch.Tensor, last_
         emb = markov.embedding(prev)
         embs.append(emb)
         if j and not greedy_only:  # greedy draws read no position
-            params = dataclasses.replace(params, position=inp[:, 1] + 2 + j)
+            params = dataclasses.replace(params, position=draft_position(inp, j))
         tok, q = sample(logits[:, j] + markov.bias(emb), params)
         toks.append(tok)
         if q is not None:
