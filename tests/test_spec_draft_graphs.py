@@ -185,3 +185,45 @@ def test_drafts_behind_the_verify_graph_equal_host_drafts(monkeypatch):
     assert tokens == tokens0 and list(spec.metrics.accepted) == list(spec0.metrics.accepted)
     assert sum(spec.metrics.accepted) > 0  # real drafts were accepted, so the compared drafts mattered
     assert_same_drafts(steps, steps0)
+
+
+
+@pytest.mark.parametrize("greedy", [1, 0])
+def test_draft_body_on_the_triton_kernels_equals_its_torch_references(ckpt, monkeypatch, fresh_seed, greedy):
+    """The graph body on the interpreted Triton kernels (block attention with the inverse
+    RoPE, the Markov greedy draws, fused mHC / MoE, norm + RoPE) drafts what it drafts on
+    the kernels' torch references, which the tests above hold to the reference modules:
+    same tokens, confidences within float32 rounding. Two blocks on fresh context K/V,
+    one of them near the sequence start (padded context rows)."""
+    from deepinfer.models.fast.decode import kernel_ops
+    from deepinfer.models.fast.draft_dspark import INPUT_COLUMNS
+
+    llm = _llm(ckpt, monkeypatch, 4)
+    drafter = llm.runner.spec.drafter
+    g = torch.Generator().manual_seed(fresh_seed)
+    for s in range(len(drafter.stages)):
+        pool = drafter.cache.swa[drafter._cache_id(s)]
+        pool.copy_(torch.randn(pool.shape, generator=g).to(pool.dtype))
+    rows = drafter.cache.swa[drafter._cache_id(0)].view(-1, drafter.cache.swa[drafter._cache_id(0)].shape[-1]).shape[0]
+    cols = dict(zip(INPUT_COLUMNS, range(len(INPUT_COLUMNS))))
+    inp = torch.zeros(2, drafter.graphs.cols, dtype=torch.int64)
+    for r, last_pos in enumerate((40, 6)):
+        inp[r, cols["last_token"]] = int(torch.randint(VOCAB, (1,), generator=g))
+        inp[r, cols["last_pos"]], inp[r, cols["greedy"]], inp[r, cols["seed"]] = last_pos, greedy, 11 + r
+        inp[r, cols["temperature_bits"]] = int(torch.tensor(0.9).view(torch.int32))
+        inp[r, len(INPUT_COLUMNS):] = torch.randperm(rows, generator=g)[:drafter.graphs.cols - len(INPUT_COLUMNS)]
+    hidden = drafter.family.dspark_stages_hidden()
+    out = {}
+    for kind in ("ref", "triton"):
+        drafter._graph_ops = kernel_ops(kind)
+        with torch.no_grad():
+            packed, q = drafter._graph_body(hidden, inp, bool(greedy))
+        out[kind] = (packed, q)
+    (p_ref, q_ref), (p_tri, q_tri) = out["ref"], out["triton"]
+    n = p_ref.shape[1] // 2
+    assert torch.equal(p_tri[:, :n], p_ref[:, :n])  # the draft tokens
+    conf = lambda p: p[:, n:].to(torch.int32).view(torch.float32)  # noqa: E731
+    torch.testing.assert_close(conf(p_tri), conf(p_ref), atol=1e-5, rtol=1e-4)
+    assert (q_tri is None) == (q_ref is None) == bool(greedy)
+    if q_ref is not None:
+        torch.testing.assert_close(q_tri, q_ref, atol=1e-5, rtol=1e-4)

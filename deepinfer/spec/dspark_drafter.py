@@ -246,7 +246,8 @@ class DSparkDrafter(Drafter):
                    self._rotary)
         logits = self.model.head(h).float()
         return sample_block(inp, logits.view(R, G, -1), h.view(R, G, -1), self.stages[-1], self._temperatures_dev,
-                            self._n_graph, greedy_only, lambda z, st: sample_draft(z, st, self.sampler))
+                            self._n_graph, greedy_only, lambda z, st: sample_draft(z, st, self.sampler),
+                            self._graph_ops)
 
     def _propose_graphed(self, last_tokens: list[int], last_pos: list[int], tables: list[list[int]],
                          params: list) -> list[Draft]:

@@ -24,6 +24,7 @@ def kernel_ops(kind: str) -> SimpleNamespace:
     from deepinfer_kernels import argmax_lse as am
     from deepinfer_kernels import compressor_decode as cd
     from deepinfer_kernels import decode_attention as da
+    from deepinfer_kernels import draft_block_attention as dba
     from deepinfer_kernels import engram as eg
     from deepinfer_kernels import hc_collapse as hcc
     from deepinfer_kernels import fused_moe as fm
@@ -34,6 +35,7 @@ def kernel_ops(kind: str) -> SimpleNamespace:
     from deepinfer_kernels import rms_norm as rn
     from deepinfer_kernels import router as rt
     from deepinfer_kernels import linear_f32 as lf
+    from deepinfer_kernels import markov_draws as mkd
     from deepinfer_kernels import skinny_gemm as sg
     from deepinfer_kernels import spec_lane as sl
 
@@ -45,7 +47,7 @@ def kernel_ops(kind: str) -> SimpleNamespace:
             "fused_moe_w8a8": w8, "skinny_linear": sg, "skinny_grouped_linear": sg, "argmax_logsumexp": am,
             "hc_shifted": mhc, "indexer_scores": it, "engram_hash": eg,
             "engram_gate": eg, "linear_f32": lf,
-            "hc_collapse_norm": hcc, "feed_placeholders": sl, "greedy_verify": sl, "mtp_tail_record": sl}
+            "hc_collapse_norm": hcc, "draft_block_attention": dba, "markov_greedy_draws": mkd, "feed_placeholders": sl, "greedy_verify": sl, "mtp_tail_record": sl}
     return SimpleNamespace(kind=kind, **{name: getattr(mod, name + sfx) for name, mod in mods.items()})
 
 

@@ -28,7 +28,7 @@ import torch
 from deepinfer.engine.sampler import SamplingTensors
 
 from ..rope import Rotary
-from ..v4.dspark import NO_POSITION, block_attention
+from ..v4.dspark import NO_POSITION
 from .decode import _inv_freq, grouped_out
 from .fused_weights import project
 
@@ -67,9 +67,10 @@ def stage_block_attention(attn: torch.nn.Module, ops: Any, x: torch.Tensor, pos:
     """A DSpark stage's ``_block_attention`` on the fast path's kernels: x [R * gamma, D]
     (normed) -> [R * gamma, D]. One GEMM for [wq_a, wkv], q_norm, wq_b, the query's norm
     (``q_norm``: V4 ``unweighted``, V4.1 ``none``) + RoPE and kv's norm + RoPE (+ the window
-    KV rounding ``kv_quant``) each one ``norm_rope``, the block attention (torch), the
-    output's inverse RoPE one ``norm_rope``, wo_a, wo_b: the reference's rms norms and
-    three RoPEs are dozens of small kernels a stage, which a graphed draft step pays one by one."""
+    KV rounding ``kv_quant``) each one ``norm_rope``, the block attention with the output's
+    inverse RoPE one ``draft_block_attention``, wo_a, wo_b: the reference's rms norms, three
+    RoPEs and the attention's softmax pieces are dozens of small kernels a stage, which a
+    graphed draft step pays one by one."""
     n, cfg = x.shape[0], attn.cfg
     proj = project(attn, "x", [attn.wq_a, attn.wkv], x)
     q_res = ops.rms_norm(proj[0], attn.q_norm.weight, attn.q_norm.eps)
@@ -77,8 +78,8 @@ def stage_block_attention(attn: torch.nn.Module, ops: Any, x: torch.Tensor, pos:
                       eps=cfg.rms_norm_eps)
     kv = ops.norm_rope(proj[1], pos, inv_freq, "weighted", attn.kv_norm.weight, attn.kv_norm.eps, quant=kv_quant,
                        quant_block=32)
-    out = block_attention(q, kv, pos, gamma, ctx_kv, ctx_pos, attn.window, attn.attn_sink)
-    o = ops.norm_rope(out, pos, inv_freq, "none", inverse=True, out_dtype=x.dtype)
+    o = ops.draft_block_attention(q, kv, pos, gamma, ctx_kv, ctx_pos, attn.window, attn.attn_sink, inv_freq,
+                                  out_dtype=x.dtype)
     return attn.wo_b(grouped_out(attn.wo_a, o.reshape(n, cfg.o_groups, -1), ops))
 
 
@@ -116,33 +117,38 @@ def block_sampling(inp: torch.Tensor, j: int, greedy_only: bool) -> SamplingTens
 
 
 def sample_block(inp: torch.Tensor, logits: torch.Tensor, h: torch.Tensor, last_stage: Any,
-                 temperatures: torch.Tensor, n: int, greedy_only: bool, sample: Callable
+                 temperatures: torch.Tensor, n: int, greedy_only: bool, sample: Callable, ops: Any = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sequential sampling of n drafts per block: logits [R, gamma, V] (no Markov bias yet),
     h [R, gamma, D], ``temperatures`` float32 [n] on the device (the confidence head's per
     position) -> (packed [R, 2n] int64: the tokens, then the confidences' float32 bits;
     q [R, n, V] or None when ``greedy_only``). Only the draws are sequential: the sampling
     tensors are built once and the confidences of all n positions come from one head call,
-    so each draft costs the Markov bias and the draw (a graphed step pays every kernel)."""
+    so each draft costs the Markov bias and the draw (a graphed step pays every kernel). With
+    ``ops`` (the fast path's) a greedy-only block takes all n draws from ``markov_greedy_draws``
+    (n + 1 launches)."""
     markov, head = last_stage.markov_head, last_stage.confidence_head
     r = inp.shape[0]
-    params = block_sampling(inp, 0, greedy_only)
-    prev = inp[:, 0]
-    toks, embs, qs = [], [], []
-    for j in range(n):
-        emb = markov.embedding(prev)
-        embs.append(emb)
-        if j and not greedy_only:  # greedy draws read no position
-            params = dataclasses.replace(params, position=draft_position(inp, j))
-        tok, q = sample(logits[:, j] + markov.bias(emb), params)
-        toks.append(tok)
-        if q is not None:
-            qs.append(q)
-        prev = tok
-    conf = head(h[:, :n].reshape(r * n, -1), torch.stack(embs, dim=1).reshape(r * n, -1),
-                temperatures.repeat(r))
+    qs: list[torch.Tensor] = []
+    if greedy_only and ops is not None and markov.markov_w1.quantized is None and markov.markov_w2.quantized is None:
+        tokens = ops.markov_greedy_draws(logits, inp[:, 0], markov.markov_w1.weight, markov.markov_w2.weight, n)
+        embs = markov.embedding(torch.cat([inp[:, :1], tokens[:, :n - 1]], dim=1))  # W1[token before draw j]
+    else:
+        params = block_sampling(inp, 0, greedy_only)
+        prev, toks, emb_list = inp[:, 0], [], []
+        for j in range(n):
+            emb = markov.embedding(prev)
+            emb_list.append(emb)
+            if j and not greedy_only:  # greedy draws read no position
+                params = dataclasses.replace(params, position=draft_position(inp, j))
+            prev, q = sample(logits[:, j] + markov.bias(emb), params)
+            toks.append(prev)
+            if q is not None:
+                qs.append(q)
+        tokens, embs = torch.stack(toks, dim=1), torch.stack(emb_list, dim=1)
+    conf = head(h[:, :n].reshape(r * n, -1), embs.reshape(r * n, -1), temperatures.repeat(r))
     conf_bits = conf.float().view(r, n).view(torch.int32).to(torch.int64)
-    packed = torch.cat([torch.stack(toks, dim=1), conf_bits], dim=1)
+    packed = torch.cat([tokens, conf_bits], dim=1)
     return packed, (torch.stack(qs, dim=1) if qs else None)
 
 
