@@ -33,10 +33,12 @@ def _inputs(seed: int, r: int, block: int, h: int, d: int, ctx: int, window: int
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("r,block,h,ctx,window", [(3, 5, 8, 31, 32), (2, 4, 20, 47, 48), (1, 16, 16, 15, 16)])
-def test_matches_the_reference(fresh_seed: int, dtype, r, block, h, ctx, window) -> None:
-    """Partial context tiles, heads over two programs, a 16-row block, padded context rows."""
-    q, kv, pos, ctx_kv, ctx_pos, sink, inv_freq = _inputs(fresh_seed, r, block, h, 64, ctx, window, dtype)
+@pytest.mark.parametrize("r,block,h,d,ctx,window", [(3, 5, 8, 64, 31, 32), (2, 4, 20, 64, 47, 48),
+                                                     (1, 16, 16, 64, 15, 16), (2, 5, 4, 128, 31, 32)])
+def test_matches_the_reference(fresh_seed: int, dtype, r, block, h, d, ctx, window) -> None:
+    """Partial context tiles, heads over two programs, a 16-row block, padded context rows,
+    a wider head."""
+    q, kv, pos, ctx_kv, ctx_pos, sink, inv_freq = _inputs(fresh_seed, r, block, h, d, ctx, window, dtype)
     out = draft_block_attention(q, kv, pos, block, ctx_kv, ctx_pos, window, sink, inv_freq, block_n=16)
     ref = draft_block_attention_ref(q, kv, pos, block, ctx_kv, ctx_pos, window, sink, inv_freq)
     assert out.dtype == dtype and out.shape == q.shape

@@ -27,9 +27,11 @@ def _inputs(seed: int, r: int, g: int, v: int, rank: int, dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("r,g,n,v,split", [(3, 5, 5, 1000, 128), (2, 6, 4, 333, 64), (1, 5, 1, 512, 2048)])
+@pytest.mark.parametrize("r,g,n,v,split", [(3, 5, 5, 1000, 128), (2, 6, 4, 333, 64), (1, 5, 1, 512, 2048),
+                                           (40, 3, 3, 200, 64)])
 def test_matches_the_reference(fresh_seed: int, dtype, r, g, n, v, split) -> None:
-    """Several vocabulary slices with a partial tail, fewer draws than block rows, one slice."""
+    """Several vocabulary slices with a partial tail, fewer draws than block rows, one slice,
+    rows over two row blocks with a partial one."""
     logits, first, w1, w2 = _inputs(fresh_seed, r, g, v, 16, dtype)
     got = markov_greedy_draws(logits, first, w1, w2, n, split)
     want = markov_greedy_draws_ref(logits, first, w1, w2, n)
