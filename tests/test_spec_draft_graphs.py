@@ -182,6 +182,8 @@ def test_drafts_behind_the_verify_graph_equal_host_drafts(monkeypatch):
     spec0, tokens0, steps0 = run_recording_drafts(monkeypatch, "deepinfer-tiny-dspark", 5, DSPARK_PROMPTS, False)
     assert spec.drafter.graphs.stats["after_verify_steps"] > 0
     assert spec0.drafter.graphs.stats["after_verify_steps"] == 0
+    # every greedy-lane step wrote its features and staged its blocks inside the verify graph
+    assert spec._verify.counts["tail_steps"] == spec._verify.counts["greedy_steps"] > 0
     assert tokens == tokens0 and list(spec.metrics.accepted) == list(spec0.metrics.accepted)
     assert sum(spec.metrics.accepted) > 0  # real drafts were accepted, so the compared drafts mattered
     assert_same_drafts(steps, steps0)
@@ -227,3 +229,39 @@ def test_draft_body_on_the_triton_kernels_equals_its_torch_references(ckpt, monk
     assert (q_tri is None) == (q_ref is None) == bool(greedy)
     if q_ref is not None:
         torch.testing.assert_close(q_tri, q_ref, atol=1e-5, rtol=1e-4)
+
+
+def test_a_tailed_dspark_step_launches_almost_nothing_outside_its_graphs(monkeypatch):
+    """With the verify graph's DSpark tail (features, block inputs, plan-ahead record inside
+    the graph) an async greedy spec step is its verify and draft graph replays plus the drafts'
+    record in the token buffer: a few launches outside any graph (about forty before, to gather
+    features, pick each block's window and feed the feature and draft graphs)."""
+    import deepinfer.models.fast.decode_graphs as dg
+    from deepinfer.models.fast.launches import LaunchCounter
+
+    monkeypatch.setenv("DEEPINFER_FASTPATH", "ref")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_WARMUP", "1")
+    llm = LLM("deepinfer-tiny-dspark", dtype="float32", max_model_len=256, max_num_seqs=4,
+              max_num_batched_tokens=64, num_speculative_tokens=5)
+    counters, replay = [], dg.DecodeGraphs.replay
+
+    def counted_replay(self, *args, **kwargs):
+        with counters[-1].skipping():
+            return replay(self, *args, **kwargs)
+
+    core, step = llm.engine, type(llm.engine).step
+
+    def counted_step(self):
+        counters.append(LaunchCounter())
+        with counters[-1]:
+            return step(self)
+
+    monkeypatch.setattr(dg.DecodeGraphs, "replay", counted_replay)
+    monkeypatch.setattr(type(core), "step", counted_step)
+    llm.generate([DSPARK_PROMPTS[0]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    verify = llm.runner.spec._verify
+    assert verify.counts["tail_steps"] == verify.counts["greedy_steps"] > 3
+    assert llm.runner.spec.drafter.feature_graphs.stats["graph_steps"] == 0  # the tail wrote the features
+    spec_steps = [c for c in counters[1:-1]]  # past the prompt's step, before the drain
+    assert spec_steps and max(c.total for c in spec_steps) <= 4, [c.torch_ops for c in spec_steps]

@@ -77,6 +77,11 @@ class Drafter:
         token buffer's storage (``last``, ``shift``): `VerifyGraphs.tail`; None: none."""
         return None
 
+    def record_tail_drafts(self, buffer: Any, so: Any, drafts: torch.Tensor) -> None:
+        """Record `draft_after_verify`'s drafts of a step whose verify graph ran this drafter's
+        `verify_tail` (which recorded the bonus token) in the device token buffer."""
+        raise NotImplementedError
+
     def device_draft_tokens(self, drafts: torch.Tensor) -> torch.Tensor:
         """[requests, k] draft token ids of `draft_after_verify`'s tensor, on the device."""
         raise NotImplementedError

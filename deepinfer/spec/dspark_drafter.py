@@ -31,6 +31,8 @@ keep >= window + backtracking).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from deepinfer.engine.sampler import Sampler, SamplingTensors
@@ -274,12 +276,21 @@ class DSparkDrafter(Drafter):
         reads the positions up to its last token's). Each block's inputs are built on the
         host for every possible accepted count and picked on the device: last token = the
         verify's argmax at the accepted run's end, last position = start + accepted, its
-        context slots a window shifted by the accepted count. None (`propose` drafts) off
-        the graphed drafter or when a request's rows are cut by bounded replay."""
+        context slots a window shifted by the accepted count. When the verify graph ran this
+        drafter's tail (`verify_tail`: the lane fed from the token buffer) it did all of that
+        on the device, and the draft graph replays on the rows it staged. None (`propose`
+        drafts) off the graphed drafter or when a request's rows are cut by bounded replay."""
         n_draft = min(self.k, self.gamma)
         if (self.graphs is None or self.feature_graphs is None or lane is None or lane.greedy is None
                 or n_draft != self._n_graph or not so.scheduled):
             return None
+        if lane.tail is not None:  # the verify graph wrote the features and staged the blocks (DSparkVerifyTail)
+            out = self.graphs.run_staged(len(so.scheduled), True)
+            if out is None:
+                return None
+            self.graphs.stats["after_verify_steps"] += 1
+            self._verified_drafts = {r.req_id: r.num_draft_tokens for r in so.scheduled}
+            return out[0]
         W = self.cfg.sliding_window
         most = max(r.num_draft_tokens for r in so.scheduled)
         # a step planned ahead sits up to `lower` positions below its plan (shift [T] on the
@@ -341,6 +352,22 @@ class DSparkDrafter(Drafter):
         ext[:, 0], ext[:, 1], ext[:, 3], ext[:, 4] = 0, start, 1, _float_bits(1.0)
         ext[:, 2] = [rng.seed_to_int64(r.sampling_params.seq_seed) for r in so.scheduled]
         return ext, feat
+
+    def verify_tail(self, last: torch.Tensor, shift: torch.Tensor) -> Any:
+        """The feature writes, the next blocks' inputs and the plan-ahead record inside the
+        verify graphs (`spec/dspark_verify_tail.py`), when the draft and feature graphs are captured."""
+        if self.graphs is None or self.feature_graphs is None:
+            return None
+        from .dspark_verify_tail import DSparkVerifyTail
+
+        self._tail = DSparkVerifyTail(self, last, shift)
+        return self._tail
+
+    def record_tail_drafts(self, buffer, so, drafts: torch.Tensor) -> None:
+        """Record a tailed step's drafts (`draft_after_verify`'s tensor) in the token buffer
+        behind the bonus token the verify graph recorded: the slots the tail kept."""
+        n = self._n_graph
+        buffer.last[self._tail.dest[:drafts.shape[0]], 1:n + 1] = drafts[:, :n]
 
     def can_draft_after_verify(self, so) -> bool:
         return (self.graphs is not None and self.feature_graphs is not None and min(self.k, self.gamma) == self._n_graph

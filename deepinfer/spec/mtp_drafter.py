@@ -21,6 +21,7 @@ import torch
 
 from deepinfer import batch_invariant
 from deepinfer.engine.sampler import Sampler, SamplingTensors, unpack_greedy
+from deepinfer.engine.transfer import to_device
 from deepinfer.models.fast.forward import blocks_supported, head_hidden, mtp_stage_streams, run_block
 from deepinfer.models.fast.runner import MAX_ROWS
 from deepinfer.models.paged_batch import ForwardBatch, SeqMeta
@@ -236,6 +237,12 @@ class MTPDrafter(Drafter):
             return None
         from .mtp_verify_tail import MTPVerifyTail  # (it imports mtp_graphs, as this module does)
         return MTPVerifyTail(self.graphs, last, shift)
+
+    def record_tail_drafts(self, buffer, so, drafts: torch.Tensor) -> None:
+        """The tail recorded the bonus and the first draft: the later drafts go behind them."""
+        if drafts.shape[1] > 1:
+            slots = to_device([r.state_slot for r in so.scheduled], torch.long, drafts.device)
+            buffer.last[slots, 2:drafts.shape[1] + 1] = self.device_draft_tokens(drafts)[:, 1:]
 
     def device_draft_tokens(self, drafts: torch.Tensor) -> torch.Tensor:
         return drafts[:, :, 0]

@@ -26,7 +26,7 @@ __all__ = ["MTPVerifyTail"]
 
 
 class MTPVerifyTail:
-    """``tail(meta, streams, packed, greedy, n_groups, row_shift)`` (meta: fed, its
+    """``tail(meta, streams, packed, greedy, n_groups, row_shift, capture)`` (meta: fed, its
     positions shifted by ``row_shift``, ``ops.feed_placeholders``) -> per
     group (first draft packed [R, 2] (token, log-prob bits), its output streams [R, N, D],
     accepted drafts [R], accepted + the group's shift [R]: where its later passes start)."""
@@ -38,7 +38,7 @@ class MTPVerifyTail:
         self.stage, self.last, self.shift = stage, last, shift
 
     def __call__(self, meta: Any, streams: torch.Tensor, packed: torch.Tensor, greedy: torch.Tensor,
-                 n_groups: torch.Tensor, row_shift: torch.Tensor
+                 n_groups: torch.Tensor, row_shift: torch.Tensor, capture: dict | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         argmax = packed[:, 0]
         stage_streams, stage_packed = self.stage._body((dataclasses.replace(meta, ids=argmax.to(meta.ids.dtype)),

@@ -147,11 +147,9 @@ class SpecDecoder:
         if batch.input_ids is None:  # the graph gathered the placeholders itself
             buffer.filled = so
             buffer.num_gathered += len(batch.placeholders[0]) if batch.placeholders else 0
-        if self.drafter.plans_ahead and lane.tail is not None:  # the graph recorded bonus, draft 1, shift
+        if self.drafter.plans_ahead and lane.tail is not None:  # the graph recorded the bonus and the shift
             buffer.recorded = so
-            if early.shape[1] > 1:
-                slots = to_device([r.state_slot for r in so.scheduled], torch.long, greedy.device)
-                buffer.last[slots, 2:early.shape[1] + 1] = self.drafter.device_draft_tokens(early)[:, 1:]
+            self.drafter.record_tail_drafts(buffer, so, early)
         elif self.drafter.plans_ahead:
             starts, accepted = lane.accepted(offsets, nd)
             dev = greedy.device

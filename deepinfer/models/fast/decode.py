@@ -25,6 +25,7 @@ def kernel_ops(kind: str) -> SimpleNamespace:
     from deepinfer_kernels import compressor_decode as cd
     from deepinfer_kernels import decode_attention as da
     from deepinfer_kernels import draft_block_attention as dba
+    from deepinfer_kernels import dspark_tail as dt
     from deepinfer_kernels import engram as eg
     from deepinfer_kernels import hc_collapse as hcc
     from deepinfer_kernels import fused_moe as fm
@@ -47,7 +48,7 @@ def kernel_ops(kind: str) -> SimpleNamespace:
             "fused_moe_w8a8": w8, "skinny_linear": sg, "skinny_grouped_linear": sg, "argmax_logsumexp": am,
             "hc_shifted": mhc, "indexer_scores": it, "engram_hash": eg,
             "engram_gate": eg, "linear_f32": lf,
-            "hc_collapse_norm": hcc, "draft_block_attention": dba, "markov_greedy_draws": mkd, "feed_placeholders": sl, "greedy_verify": sl, "mtp_tail_record": sl}
+            "hc_collapse_norm": hcc, "draft_block_attention": dba, "dspark_tail_stage": dt, "markov_greedy_draws": mkd, "feed_placeholders": sl, "greedy_verify": sl, "mtp_tail_record": sl}
     return SimpleNamespace(kind=kind, **{name: getattr(mod, name + sfx) for name, mod in mods.items()})
 
 

@@ -4,8 +4,9 @@
 A draft step of R requests pads to the smallest bucket of ``decode_graphs.BUCKETS`` >= R
 (up to the one holding ``max_num_seqs``) and replays the graph captured for it: the
 drafter's whole device pass (for DSpark: the stages' block pass, the head, the Markov
-bias, the confidence head and the sequential sampling of the block) from one persistent
-int64 input tensor per bucket, written by one host -> device copy; its results come back
+bias, the confidence head and the sequential sampling of the block) from the first rows of
+one persistent int64 input tensor, written by one host -> device copy (or staged on the
+device by the verify graph, :meth:`DraftGraphs.run_staged`); its results come back
 with one device -> host read. Rows past the real batch repeat row 0 (the pass only reads
 the cache, so padded rows change nothing).
 
@@ -55,7 +56,10 @@ class DraftGraphs:
         top = rows_bucket(max_rows) or BUCKETS[-1]
         self.buckets = [b for b in BUCKETS if b <= top]
         self.graphs = DecodeGraphs(device)
-        self._inputs = {b: torch.zeros(b, cols, dtype=torch.int64, device=device) for b in self.buckets}
+        #: the largest bucket's input rows; every bucket reads its first rows, so work captured
+        #: elsewhere (the verify graph's DSpark tail) can stage a step's rows with no copy
+        self.staged = torch.zeros(self.buckets[-1], cols, dtype=torch.int64, device=device)
+        self._inputs = {b: self.staged[:b] for b in self.buckets}
         self.stats = {"graph_steps": 0, "eager_steps": 0}
 
     def warmup(self, template: np.ndarray) -> None:
@@ -101,6 +105,14 @@ class DraftGraphs:
         inp[:r].copy_(rows)
         if b > r:
             inp[r:].copy_(rows[:1].expand(b - r, -1))
+        return self._replay(b, r, greedy_only)
+
+    def run_staged(self, r: int, greedy_only: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """:meth:`run_device` on rows already in :attr:`staged` (its first ``r`` real, the rest
+        of the bucket valid padding); None past the largest bucket."""
+        b = rows_bucket(r)
+        if r < 1 or b is None or b not in self._inputs:
+            return None
         return self._replay(b, r, greedy_only)
 
     def has_rows(self, r: int) -> bool:

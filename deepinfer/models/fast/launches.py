@@ -39,6 +39,15 @@ class LaunchCounter(TorchDispatchMode):
         self._in_triton = 0  # the interpreter's own tensor copies are not the step's launches
         self._patched: list[tuple[Any, Any]] = []
 
+    @contextmanager
+    def skipping(self) -> Iterator[None]:
+        """Count nothing inside (e.g. a graph replay, to count what a step launches outside its graphs)."""
+        self._in_triton += 1
+        try:
+            yield
+        finally:
+            self._in_triton -= 1
+
     @property
     def total(self) -> int:
         return sum(self.torch_ops.values()) + sum(self.triton.values())

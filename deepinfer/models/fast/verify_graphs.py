@@ -139,9 +139,10 @@ class VerifyGraphs:
         #: themselves (``ops.feed_placeholders``), from host ids and buffer indices in the step's copy
         self.token_storage: tuple[torch.Tensor, torch.Tensor] | None = None
         #: work captured at the end of the lane's graphs (needs ``token_storage``), set before
-        #: the warm-up: ``tail(meta, streams, packed, greedy, n_groups, row_shift)`` -> tensors
-        #: (the MTP stage's catch-up, spec/mtp_verify_tail.py); ``n_groups`` the request count
-        self.tail: Callable[..., tuple] | None = None
+        #: the warm-up: ``tail(meta, streams, packed, greedy, n_groups, row_shift, capture)`` ->
+        #: tensors (the MTP stage's catch-up, spec/mtp_verify_tail.py; DSpark's feature writes and
+        #: staged draft rows, spec/dspark_verify_tail.py); ``n_groups`` the request count
+        self.tail: Callable[..., Any] | None = None
         self._fed_inputs: dict[tuple[int, int], tuple[StepInputs, torch.Tensor, torch.Tensor]] = {}
 
     def _bucket(self, n: int) -> int | None:
@@ -175,7 +176,8 @@ class VerifyGraphs:
         fast.ops.greedy_verify(meta.ids, packed, meta.starts, out=greedy)
         if n_groups is None:
             return streams, capture or {}, greedy
-        tail = self.tail(meta, streams, packed, greedy, n_groups, row_shift) if self.tail is not None else None
+        tail = (self.tail(meta, streams, packed, greedy, n_groups, row_shift, capture)
+                if self.tail is not None else None)
         return streams, capture or {}, greedy, row_shift, tail
 
     def _lane_inputs(self, rows: int, width: int) -> tuple[StepInputs, torch.Tensor, torch.Tensor]:
