@@ -5,8 +5,8 @@ ahead, and the next draft blocks' input rows.
 For a verify step of R rows (``starts`` [R + 1] its groups, ``greedy`` the greedy
 verification: ``greedy[2R + g]`` group g's first rejected row) and S staged draft rows:
 
-* row i < R: ``pool_rows[i] = table[i, p // B] * B + p % B`` (p its position, B the pool's
-  rows per block): where its features go, as the target's attention reads its window;
+* row i < R: ``rows[:, i] = (p, table[i, p // B] * B + p % B)`` (p its position, B the
+  pool's rows per block): where its features go, as the target's attention reads its window;
 * group g < R: accepted ``a = clamp(min(first - start, drafts), 0)``, the bonus token
   ``packed[at, 0]`` with ``at = min(start + a, R - 1)``, recorded as ``last[slot, 0]`` and
   ``shift[slot] = a - drafts`` (``slot``: its first row's state slot; padded groups, g >=
@@ -53,7 +53,8 @@ def _tail_stage_kernel(starts_ptr, slots_ptr, pos_ptr, table_ptr, greedy_ptr, pa
     if i < r:
         p = tl.load(pos_ptr + i).to(tl.int64)
         blk = tl.load(table_ptr + i * width + p // bs).to(tl.int64)
-        tl.store(pool_rows_ptr + i, blk * bs + p % bs)
+        tl.store(pool_rows_ptr + i, p)
+        tl.store(pool_rows_ptr + r + i, blk * bs + p % bs)
         nd, acc, first_row, at = _group(starts_ptr, greedy_ptr, i, r)
         dest = tl.where(i < n_groups, tl.load(slots_ptr + first_row).to(tl.int64), spare)
         tl.store(last_ptr + dest * last_stride, tl.load(packed_ptr + 2 * at).to(last_ptr.dtype.element_ty))
@@ -99,7 +100,7 @@ def dspark_tail_stage(starts: torch.Tensor, slots: torch.Tensor, positions: torc
     """See the module doc. starts / slots / positions / table int32 (the step's inputs),
     greedy [3R + 1] and packed [R, 2] int64 (the lane's), n_groups [1]; writes ``last``,
     ``shift``, ``staged`` [S, n_cols + W - 1] and ``dest`` [S] (int64) in place. Returns
-    every verify row's pool row [R] int64."""
+    every verify row's (position, pool row) [2, R] int64."""
     check_device(starts, slots, positions, table, greedy, packed, n_groups, last, shift, staged, dest)
     _check(starts, slots, positions, table, greedy, packed, staged, dest, window, n_cols)
     if n_cols != 5:
@@ -108,7 +109,7 @@ def dspark_tail_stage(starts: torch.Tensor, slots: torch.Tensor, positions: torc
     if last.stride(1) != 1 or not staged.is_contiguous() or not table.is_contiguous():
         raise ValueError("dspark_tail_stage: last needs contiguous rows; staged and table must be contiguous")
     r, s = packed.shape[0], staged.shape[0]
-    pool_rows = torch.empty(r, dtype=torch.int64, device=packed.device)
+    pool_rows = torch.empty(2, r, dtype=torch.int64, device=packed.device)
     if r:
         _tail_stage_kernel[(max(r, s),)](
             starts, slots, positions, table, greedy, packed, n_groups, last, last.stride(0), shift,
@@ -125,7 +126,7 @@ def dspark_tail_stage_ref(starts: torch.Tensor, slots: torch.Tensor, positions: 
     _check(starts, slots, positions, table, greedy, packed, staged, dest, window, n_cols)
     r, dev, bs = packed.shape[0], packed.device, block_size
     if r == 0:
-        return torch.empty(0, dtype=torch.int64, device=dev)
+        return torch.empty(2, 0, dtype=torch.int64, device=dev)
     pos, tab = positions.long(), table.long()
     pool_rows = tab.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
     first = starts[:r].long()
@@ -149,7 +150,7 @@ def dspark_tail_stage_ref(starts: torch.Tensor, slots: torch.Tensor, positions: 
     staged[:, 2], staged[:, 3], staged[:, 4] = 0, 1, ONE_BITS
     staged[:, n_cols:] = torch.where(ctx >= 0, ctx_rows, torch.zeros_like(ctx_rows))
     dest.copy_(torch.where(g < n_groups.long(), slots[first_row[src]].long(), torch.full_like(g, spare)))
-    return pool_rows
+    return torch.stack([pos, pool_rows])
 
 
 __all__ = ["ONE_BITS", "dspark_tail_stage", "dspark_tail_stage_ref"]

@@ -130,9 +130,10 @@ class DSparkDrafter(Drafter):
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         self._write_context(main_x, pos, torch.from_numpy(flat).to(dev), self.model.rotary_main)
 
-    def _target_features(self, hidden: dict[int, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-        """Concat over target layers of the mean-over-hc input streams of ``rows``: [L, n * D]."""
-        return torch.cat([hidden[i][rows].mean(dim=1) for i in self.target_layers], dim=-1)
+    def _target_features(self, hidden: dict[int, torch.Tensor], rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Concat over target layers of the mean-over-hc input streams of ``rows`` (None: all): [L, n * D]."""
+        return torch.cat([(hidden[i] if rows is None else hidden[i][rows]).mean(dim=1) for i in self.target_layers],
+                         dim=-1)
 
     def _write_context(self, main_x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, rotary) -> None:
         """Every stage's context K/V of the rows ``main_x`` at ``pos`` into its window pool rows ``slots``."""

@@ -53,12 +53,10 @@ class DSparkVerifyTail:
     def __call__(self, meta: Any, streams: torch.Tensor, packed: torch.Tensor, greedy: torch.Tensor,
                  n_groups: torch.Tensor, row_shift: torch.Tensor, capture: dict | None = None) -> torch.Tensor:
         d = self.drafter
-        r = packed.shape[0]
         # the rows' true positions (the fed lane shifted them): pool rows, records, staged blocks
-        pool_rows = d._graph_ops.dspark_tail_stage(
+        ints = d._graph_ops.dspark_tail_stage(
             meta.starts, meta.slots, meta.positions, meta.tables32[GROUP_SWA], greedy, packed, n_groups, self.last,
             self.shift, self.staged, self.dest, d.cfg.sliding_window, d._rows_per_block(), N_COLS)
         # every verify row's context K/V (rows past an accepted run are rewritten before any block reads them)
-        feats = d._target_features(capture, torch.arange(r, device=packed.device))
-        d._feature_body(feats, torch.stack([meta.positions.long(), pool_rows]))
+        d._feature_body(d._target_features(capture), ints)
         return self.dest
