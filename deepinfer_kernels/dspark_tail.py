@@ -28,9 +28,13 @@ import triton
 import triton.language as tl
 
 from ._common import check_device, next_pow2
+from .spec_lane import lane_groups_ref
 
 #: float32 bits of temperature 1.0 (a greedy draft row's)
 ONE_BITS = 0x3F800000
+#: a draft row's columns before its window's pool rows: token, position, seed, greedy,
+#: temperature bits (``deepinfer/models/fast/draft_dspark.py`` INPUT_COLUMNS)
+N_COLS = 5
 
 
 @triton.jit
@@ -80,7 +84,7 @@ def _tail_stage_kernel(starts_ptr, slots_ptr, pos_ptr, table_ptr, greedy_ptr, pa
             tl.store(row + N_COLS + j, tl.where(q >= 0, blk * bs + qc % bs, 0), mask=live)
 
 
-def _check(starts, slots, positions, table, greedy, packed, staged, dest, window: int, n_cols: int) -> None:
+def _check(starts, slots, positions, table, greedy, packed, staged, dest, window: int) -> None:
     r = packed.shape[0]
     if starts.shape != (r + 1,) or slots.shape != (r,) or positions.shape != (r,) or table.shape[0] != r:
         raise ValueError(f"dspark_tail_stage: starts {tuple(starts.shape)} / slots / positions / table rows must "
@@ -88,24 +92,21 @@ def _check(starts, slots, positions, table, greedy, packed, staged, dest, window
     if greedy.shape != (3 * r + 1,) or packed.shape != (r, 2):
         raise ValueError(f"dspark_tail_stage: greedy [{3 * r + 1}] and packed [{r}, 2], got "
                          f"{tuple(greedy.shape)} / {tuple(packed.shape)}")
-    if staged.dim() != 2 or staged.shape[1] != n_cols + window - 1 or dest.shape != (staged.shape[0],):
-        raise ValueError(f"dspark_tail_stage: staged [S, {n_cols + window - 1}] and dest [S], got "
+    if staged.dim() != 2 or staged.shape[1] != N_COLS + window - 1 or dest.shape != (staged.shape[0],):
+        raise ValueError(f"dspark_tail_stage: staged [S, {N_COLS + window - 1}] and dest [S], got "
                          f"{tuple(staged.shape)} / {tuple(dest.shape)}")
 
 
 def dspark_tail_stage(starts: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
                       greedy: torch.Tensor, packed: torch.Tensor, n_groups: torch.Tensor, last: torch.Tensor,
-                      shift: torch.Tensor, staged: torch.Tensor, dest: torch.Tensor, window: int, block_size: int,
-                      n_cols: int = 5) -> torch.Tensor:
+                      shift: torch.Tensor, staged: torch.Tensor, dest: torch.Tensor, window: int,
+                      block_size: int) -> torch.Tensor:
     """See the module doc. starts / slots / positions / table int32 (the step's inputs),
     greedy [3R + 1] and packed [R, 2] int64 (the lane's), n_groups [1]; writes ``last``,
-    ``shift``, ``staged`` [S, n_cols + W - 1] and ``dest`` [S] (int64) in place. Returns
+    ``shift``, ``staged`` [S, N_COLS + W - 1] and ``dest`` [S] (int64) in place. Returns
     every verify row's (position, pool row) [2, R] int64."""
     check_device(starts, slots, positions, table, greedy, packed, n_groups, last, shift, staged, dest)
-    _check(starts, slots, positions, table, greedy, packed, staged, dest, window, n_cols)
-    if n_cols != 5:
-        raise ValueError(f"dspark_tail_stage: the draft rows' columns are (token, position, seed, greedy, "
-                         f"temperature), got n_cols={n_cols}")
+    _check(starts, slots, positions, table, greedy, packed, staged, dest, window)
     if last.stride(1) != 1 or not staged.is_contiguous() or not table.is_contiguous():
         raise ValueError("dspark_tail_stage: last needs contiguous rows; staged and table must be contiguous")
     r, s = packed.shape[0], staged.shape[0]
@@ -114,26 +115,22 @@ def dspark_tail_stage(starts: torch.Tensor, slots: torch.Tensor, positions: torc
         _tail_stage_kernel[(max(r, s),)](
             starts, slots, positions, table, greedy, packed, n_groups, last, last.stride(0), shift,
             last.shape[0] - 1, staged, dest, pool_rows, r, s, table.shape[1], window, block_size,
-            COLS=staged.shape[1], N_COLS=n_cols, BLOCK_C=min(256, next_pow2(max(1, window - 1))), num_warps=1)
+            COLS=staged.shape[1], N_COLS=N_COLS, BLOCK_C=min(256, next_pow2(max(1, window - 1))), num_warps=1)
     return pool_rows
 
 
 def dspark_tail_stage_ref(starts: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
                           greedy: torch.Tensor, packed: torch.Tensor, n_groups: torch.Tensor, last: torch.Tensor,
                           shift: torch.Tensor, staged: torch.Tensor, dest: torch.Tensor, window: int,
-                          block_size: int, n_cols: int = 5) -> torch.Tensor:
+                          block_size: int) -> torch.Tensor:
     """Torch reference of :func:`dspark_tail_stage` (graph-safe: no host reads)."""
-    _check(starts, slots, positions, table, greedy, packed, staged, dest, window, n_cols)
+    _check(starts, slots, positions, table, greedy, packed, staged, dest, window)
     r, dev, bs = packed.shape[0], packed.device, block_size
     if r == 0:
         return torch.empty(2, 0, dtype=torch.int64, device=dev)
     pos, tab = positions.long(), table.long()
     pool_rows = tab.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
-    first = starts[:r].long()
-    num_drafts = (starts[1:r + 1].long() - first - 1).clamp(min=0)
-    accepted = torch.minimum(greedy[2 * r: 3 * r] - first, num_drafts).clamp(min=0)
-    first_row = first.clamp(max=r - 1)
-    at = (first_row + accepted).clamp(max=r - 1)
+    num_drafts, accepted, first_row, at = lane_groups_ref(starts, greedy, r)
     spare = last.shape[0] - 1
     group = torch.arange(r, device=dev)
     record = torch.where(group < n_groups.long(), slots[first_row].long(), torch.full_like(group, spare))
@@ -148,9 +145,9 @@ def dspark_tail_stage_ref(starts: torch.Tensor, slots: torch.Tensor, positions: 
     staged[:, 0] = packed[at[src], 0]
     staged[:, 1] = p_last
     staged[:, 2], staged[:, 3], staged[:, 4] = 0, 1, ONE_BITS
-    staged[:, n_cols:] = torch.where(ctx >= 0, ctx_rows, torch.zeros_like(ctx_rows))
+    staged[:, N_COLS:] = torch.where(ctx >= 0, ctx_rows, torch.zeros_like(ctx_rows))
     dest.copy_(torch.where(g < n_groups.long(), slots[first_row[src]].long(), torch.full_like(g, spare)))
     return torch.stack([pos, pool_rows])
 
 
-__all__ = ["ONE_BITS", "dspark_tail_stage", "dspark_tail_stage_ref"]
+__all__ = ["N_COLS", "ONE_BITS", "dspark_tail_stage", "dspark_tail_stage_ref"]

@@ -156,7 +156,7 @@ def markov_greedy_draws_ref(logits: torch.Tensor, first: torch.Tensor, w1: torch
         z = logits[:, j] + torch.nn.functional.linear(w1[prev], w2).float()
         prev = torch.nan_to_num(z, nan=0.0, posinf=0.0, neginf=-1e30).argmax(dim=-1)
         toks.append(prev)
-    return torch.stack(toks, dim=1) if toks else torch.empty(first.shape[0], 0, dtype=torch.int64)
+    return torch.stack(toks, dim=1)
 
 
 __all__ = ["markov_greedy_draws", "markov_greedy_draws_ref"]

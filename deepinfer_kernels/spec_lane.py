@@ -173,19 +173,27 @@ def mtp_tail_record(starts: torch.Tensor, slots: torch.Tensor, greedy: torch.Ten
     return draft, at, acc, acc_shift
 
 
+def lane_groups_ref(starts: torch.Tensor, greedy: torch.Tensor, r: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per group g < r of a greedy verify step (``starts`` [r + 1], ``greedy``
+    :func:`greedy_verify`'s result): (drafts, accepted drafts, first row clamped to the
+    step, the row its bonus token is read at), int64 [r] each (graph-safe)."""
+    first = starts[:r].long()
+    num_drafts = (starts[1:r + 1].long() - first - 1).clamp(min=0)
+    accepted = torch.minimum(greedy[2 * r: 3 * r] - first, num_drafts).clamp(min=0)
+    first_row = first.clamp(max=r - 1)
+    return num_drafts, accepted, first_row, (first_row + accepted).clamp(max=r - 1)
+
+
 def mtp_tail_record_ref(starts: torch.Tensor, slots: torch.Tensor, greedy: torch.Tensor, packed: torch.Tensor,
                         stage_packed: torch.Tensor, n_groups: torch.Tensor, row_shift: torch.Tensor,
                         last: torch.Tensor, shift: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`mtp_tail_record` (graph-safe)."""
     r = packed.shape[0]
-    first = starts[:r].long()
-    num_drafts = (starts[1:r + 1].long() - first - 1).clamp(min=0)
-    accepted = torch.minimum(greedy[2 * r: 3 * r] - first, num_drafts).clamp(min=0)
-    at = (first + accepted).clamp(max=r - 1)
+    num_drafts, accepted, first_row, at = lane_groups_ref(starts, greedy, r)
     draft = stage_packed[at]
     group = torch.arange(r, device=packed.device)
-    first_row = first.clamp(max=r - 1)
     dest = torch.where(group < n_groups.long(), slots[first_row].long(), torch.full_like(group, last.shape[0] - 1))
     last[dest, 0] = packed[at, 0].to(last.dtype)
     last[dest, 1] = draft[:, 0].to(last.dtype)
@@ -193,5 +201,5 @@ def mtp_tail_record_ref(starts: torch.Tensor, slots: torch.Tensor, greedy: torch
     return draft, at, accepted, accepted + row_shift[first_row]
 
 
-__all__ = ["feed_placeholders", "feed_placeholders_ref", "greedy_verify", "greedy_verify_ref",
+__all__ = ["feed_placeholders", "feed_placeholders_ref", "greedy_verify", "greedy_verify_ref", "lane_groups_ref",
            "mtp_tail_record", "mtp_tail_record_ref"]

@@ -263,5 +263,5 @@ def test_a_tailed_dspark_step_launches_almost_nothing_outside_its_graphs(monkeyp
     verify = llm.runner.spec._verify
     assert verify.counts["tail_steps"] == verify.counts["greedy_steps"] > 3
     assert llm.runner.spec.drafter.feature_graphs.stats["graph_steps"] == 0  # the tail wrote the features
-    spec_steps = [c for c in counters[1:-1]]  # past the prompt's step, before the drain
+    spec_steps = counters[1:-1]  # past the prompt's step, before the drain
     assert spec_steps and max(c.total for c in spec_steps) <= 4, [c.torch_ops for c in spec_steps]

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from deepinfer.engine.sampler import Sampler, SamplingTensors
-from deepinfer.engine.transfer import copy_to_device, to_device
+from deepinfer.engine.transfer import to_device
 from deepinfer.models.bounded_replay import batch_cuts
 import numpy as np
 
@@ -46,7 +46,7 @@ from deepinfer.models.fast.draft_dspark import N_COLS, block_rows, sample_block,
 from deepinfer.models.fast.draft_dspark import device_rotary, unpack_block
 from deepinfer.models.fast.draft_graphs import DraftGraphs, FeatureGraphs
 from deepinfer.models.fast.forward import blocks_supported
-from deepinfer.models.paged_batch import padded_tables, paged_slots, paged_slots_of
+from deepinfer.models.paged_batch import paged_slots
 from deepinfer.models.registry import family_of
 from deepinfer.models.v4.dspark import NO_POSITION
 from deepinfer.models.v4.kv_cache import GROUP_SWA, KVCache
@@ -87,13 +87,6 @@ class DSparkDrafter(Drafter):
         self.stages = list(model.mtp)
         self.target_layers = tuple(int(i) for i in cfg.dspark_target_layer_ids)
         self.sampler = Sampler()
-        #: per request, the drafts its last graphed verify step checked: a step planned ahead of
-        #: that one sits at most that many positions below its plan (accepted - drafts)
-        self._verified_drafts: dict[str, int] = {}
-
-    def drop(self, req_ids: list[str]) -> None:
-        for rid in req_ids:
-            self._verified_drafts.pop(rid, None)
 
     def _cache_id(self, stage: int) -> int:
         return self.cfg.num_hidden_layers + stage
@@ -270,89 +263,21 @@ class DSparkDrafter(Drafter):
 
     @torch.no_grad()
     def draft_after_verify(self, so, batch, streams: torch.Tensor, hidden, lane) -> torch.Tensor | None:
-        """A greedy-lane step's feature writes and draft blocks on the device, launched
-        before the verification reaches the host (packed [requests, C]). Features are
-        written for every verify row: the rows past a request's accepted run are rejected
-        positions, rewritten by the next step's writes before a block reads them (a block
-        reads the positions up to its last token's). Each block's inputs are built on the
-        host for every possible accepted count and picked on the device: last token = the
-        verify's argmax at the accepted run's end, last position = start + accepted, its
-        context slots a window shifted by the accepted count. When the verify graph ran this
-        drafter's tail (`verify_tail`: the lane fed from the token buffer) it did all of that
-        on the device, and the draft graph replays on the rows it staged. None (`propose`
-        drafts) off the graphed drafter or when a request's rows are cut by bounded replay."""
-        n_draft = min(self.k, self.gamma)
-        if (self.graphs is None or self.feature_graphs is None or lane is None or lane.greedy is None
-                or n_draft != self._n_graph or not so.scheduled):
+        """A greedy-lane step's draft blocks on the device, launched before the verification
+        reaches the host (packed [requests, C]): the verify graph's tail (`verify_tail`) wrote
+        every verify row's features (rows past a request's accepted run are rejected positions,
+        rewritten by the next step's writes before a block reads them) and staged each block's
+        inputs (last token = the argmax at the accepted run's end, last position = start +
+        accepted, its window's pool rows), so the draft graph replays on them. None (`propose`
+        drafts) off the graphed drafter or past its largest bucket."""
+        if (self.graphs is None or lane is None or lane.greedy is None or lane.tail is None
+                or min(self.k, self.gamma) != self._n_graph or not so.scheduled):
             return None
-        if lane.tail is not None:  # the verify graph wrote the features and staged the blocks (DSparkVerifyTail)
-            out = self.graphs.run_staged(len(so.scheduled), True)
-            if out is None:
-                return None
-            self.graphs.stats["after_verify_steps"] += 1
-            self._verified_drafts = {r.req_id: r.num_draft_tokens for r in so.scheduled}
-            return out[0]
-        W = self.cfg.sliding_window
-        most = max(r.num_draft_tokens for r in so.scheduled)
-        # a step planned ahead sits up to `lower` positions below its plan (shift [T] on the
-        # device): the host lays out pool rows from that far down and the device picks
-        t = batch.num_tokens
-        shift = lane.row_shift[:t] if lane.row_shift is not None else batch.position_shift
-        lower = self.k if batch.planned_ahead else 0
-        for r, seq, cut in zip(so.scheduled, batch.seqs, batch_cuts(batch)):
-            if cut > seq.start or not r.sampling_params.is_greedy:
-                return None
-        # each request's own reach below its plan: the drafts of the step this one was planned
-        # ahead of (the window blocks kept for it end there; a wider read would touch freed ones)
-        reach = [min(lower, self._verified_drafts.get(r.req_id, lower)) for r in so.scheduled]
-        ext, feat = self._after_verify_layout(so, batch, most, lower, reach)
-        dev = streams.device
-        host = torch.empty(ext.size + feat.size, dtype=torch.int64, device=dev)
-        copy_to_device(host, np.concatenate([ext.ravel(), feat.ravel()]))  # staged: never waits for the stream
-        ext_t, feat_t = host[:ext.size].view(ext.shape), host[ext.size:].view(feat.shape)
-        starts, accepted = lane.accepted([s.offset for s in batch.seqs], [r.num_draft_tokens for r in so.scheduled])
-        row_shift = shift if shift is not None else torch.zeros(t, dtype=torch.long, device=dev)
-        ints = torch.stack([feat_t[:, 0] + row_shift, feat_t[:, 1:].gather(1, (row_shift + lower)[:, None])[:, 0]])
-        self.feature_graphs.run_device(self._target_features(hidden, torch.arange(t, device=dev)), ints)
-        group_shift = row_shift[starts]
-        inp = torch.cat([ext_t[:, :N_COLS], ext_t[:, N_COLS:].gather(
-            1, (accepted + group_shift + lower)[:, None] + torch.arange(W - 1, device=dev))], dim=1)
-        inp[:, 0] = lane.row_argmax(t)[starts + accepted]
-        inp[:, 1] += accepted + group_shift
-        out = self.graphs.run_device(inp, True)
+        out = self.graphs.run_staged(len(so.scheduled), True)
         if out is None:
             return None
         self.graphs.stats["after_verify_steps"] += 1
-        self._verified_drafts = {r.req_id: r.num_draft_tokens for r in so.scheduled}
         return out[0]
-
-    def _after_verify_layout(self, so, batch, most: int, lower: int,
-                             reach: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Host inputs of `draft_after_verify`, every request at once: ``ext`` [requests,
-        N_COLS + W - 1 + most + lower] (block columns, then context pool rows of the window
-        for accepted count 0 at a shift of -``lower``, and further), ``feat`` [rows, 2 + lower]
-        (per verify row: its plan's position, then the pool rows of that position shifted by
-        -lower .. 0). ``reach`` [requests] (<= lower, default lower): the largest shift each
-        request can have; context columns of larger shifts are never picked and stay 0."""
-        W, per_block = self.cfg.sliding_window, self._rows_per_block()
-        seqs = batch.seqs
-        tables = padded_tables([s.block_table[GROUP_SWA] for s in seqs])
-        start = np.fromiter((s.start for s in seqs), dtype=np.int64, count=len(seqs))
-        length = np.fromiter((s.length for s in seqs), dtype=np.int64, count=len(seqs))
-        group = np.repeat(np.arange(len(seqs)), length)
-        row_pos = start[group] + np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
-        shifted = row_pos[:, None] - lower + np.arange(lower + 1)
-        feat = np.empty((row_pos.shape[0], 2 + lower), dtype=np.int64)
-        feat[:, 0] = row_pos
-        feat[:, 1:] = paged_slots_of(tables[group], shifted, shifted >= 0, per_block)
-        ctx = (start - lower + 2 - W)[:, None] + np.arange(W - 1 + most + lower)
-        low = start - (np.asarray(reach, dtype=np.int64) if reach is not None else lower) + 2 - W
-        valid = (ctx >= np.maximum(low, 0)[:, None]) & (ctx < (start + length)[:, None])
-        ext = np.empty((len(seqs), N_COLS + ctx.shape[1]), dtype=np.int64)
-        ext[:, N_COLS:] = paged_slots_of(tables, ctx, valid, per_block)
-        ext[:, 0], ext[:, 1], ext[:, 3], ext[:, 4] = 0, start, 1, _float_bits(1.0)
-        ext[:, 2] = [rng.seed_to_int64(r.sampling_params.seq_seed) for r in so.scheduled]
-        return ext, feat
 
     def verify_tail(self, last: torch.Tensor, shift: torch.Tensor) -> Any:
         """The feature writes, the next blocks' inputs and the plan-ahead record inside the

@@ -2,10 +2,9 @@
 the next draft blocks' inputs, and the step's record for a plan made ahead.
 
 A greedy-lane verify step knows on the device, per request, its accepted run and the argmax
-of every row. Drafting behind it from the host (`DSparkDrafter.draft_after_verify` without
-a tail) costs a host layout of every request's pool rows for every possible accepted count,
-its copy, and about thirty small launches outside any graph to pick from it, gather the
-features and feed two more graphs. Here the same work is captured in the verify graph
+of every row. Drafting behind it from the host cost a host layout of every request's pool rows for
+every possible accepted count, its copy, and about thirty small launches outside any graph
+to pick from it, gather the features and feed two more graphs. Here the same work is captured in the verify graph
 itself (`VerifyGraphs.tail`), computed from the step's own device inputs (the bookkeeping
 in one launch, ``deepinfer_kernels.dspark_tail``):
 
@@ -33,8 +32,10 @@ import torch
 
 from deepinfer.models.fast.draft_dspark import N_COLS
 from deepinfer.models.v4.kv_cache import GROUP_SWA
+from deepinfer_kernels.dspark_tail import N_COLS as TAIL_COLS
 
 __all__ = ["DSparkVerifyTail"]
+
 
 class DSparkVerifyTail:
     """``tail(meta, streams, packed, greedy, n_groups, row_shift, capture)`` -> ``dest``
@@ -46,6 +47,9 @@ class DSparkVerifyTail:
         if last.shape[0] != shift.shape[0] or last.shape[1] < 1 + drafter._n_graph:
             raise ValueError(f"DSparkVerifyTail: token storage [{tuple(last.shape)}] / shift [{tuple(shift.shape)}] "
                              f"must have the same rows and 1 + {drafter._n_graph} columns")
+        if N_COLS != TAIL_COLS:
+            raise ValueError(f"DSparkVerifyTail: the draft rows have {N_COLS} input columns, dspark_tail_stage "
+                             f"writes {TAIL_COLS}")
         self.drafter, self.last, self.shift = drafter, last, shift
         self.staged = drafter.graphs.staged  # [draft rows, cols]: every bucket's inputs are its first rows
         self.dest = torch.full((self.staged.shape[0],), last.shape[0] - 1, dtype=torch.long, device=last.device)
@@ -56,7 +60,7 @@ class DSparkVerifyTail:
         # the rows' true positions (the fed lane shifted them): pool rows, records, staged blocks
         ints = d._graph_ops.dspark_tail_stage(
             meta.starts, meta.slots, meta.positions, meta.tables32[GROUP_SWA], greedy, packed, n_groups, self.last,
-            self.shift, self.staged, self.dest, d.cfg.sliding_window, d._rows_per_block(), N_COLS)
+            self.shift, self.staged, self.dest, d.cfg.sliding_window, d._rows_per_block())
         # every verify row's context K/V (rows past an accepted run are rewritten before any block reads them)
         d._feature_body(d._target_features(capture), ints)
         return self.dest

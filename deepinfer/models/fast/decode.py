@@ -48,7 +48,8 @@ def kernel_ops(kind: str) -> SimpleNamespace:
             "fused_moe_w8a8": w8, "skinny_linear": sg, "skinny_grouped_linear": sg, "argmax_logsumexp": am,
             "hc_shifted": mhc, "indexer_scores": it, "engram_hash": eg,
             "engram_gate": eg, "linear_f32": lf,
-            "hc_collapse_norm": hcc, "draft_block_attention": dba, "dspark_tail_stage": dt, "markov_greedy_draws": mkd, "feed_placeholders": sl, "greedy_verify": sl, "mtp_tail_record": sl}
+            "hc_collapse_norm": hcc, "draft_block_attention": dba, "dspark_tail_stage": dt,
+            "markov_greedy_draws": mkd, "feed_placeholders": sl, "greedy_verify": sl, "mtp_tail_record": sl}
     return SimpleNamespace(kind=kind, **{name: getattr(mod, name + sfx) for name, mod in mods.items()})
 
 

@@ -94,29 +94,16 @@ class DraftGraphs:
         packed, q = self._replay(b, r, greedy_only)
         return packed.tolist(), q
 
-    def run_device(self, rows: torch.Tensor, greedy_only: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """:meth:`run` on rows built on the device [R, cols]: (packed [R, C] on the device, q),
-        nothing read back; None past the largest bucket (the caller drafts from the host)."""
-        r = rows.shape[0]
-        b = rows_bucket(r)
-        if r < 1 or b is None or b not in self._inputs:
-            return None
-        inp = self._inputs[b]
-        inp[:r].copy_(rows)
-        if b > r:
-            inp[r:].copy_(rows[:1].expand(b - r, -1))
-        return self._replay(b, r, greedy_only)
-
     def run_staged(self, r: int, greedy_only: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """:meth:`run_device` on rows already in :attr:`staged` (its first ``r`` real, the rest
-        of the bucket valid padding); None past the largest bucket."""
-        b = rows_bucket(r)
-        if r < 1 or b is None or b not in self._inputs:
+        """The body over rows already on the device in :attr:`staged` (its first ``r`` real, the
+        rest of the bucket valid padding): (packed [r, C] on the device, q), nothing read back;
+        None past the largest bucket (the caller drafts from the host)."""
+        if not self.has_rows(r):
             return None
-        return self._replay(b, r, greedy_only)
+        return self._replay(rows_bucket(r), r, greedy_only)
 
     def has_rows(self, r: int) -> bool:
-        """Whether :meth:`run_device` replays a captured graph for ``r`` requests."""
+        """Whether :meth:`run_staged` replays a captured graph for ``r`` requests."""
         b = rows_bucket(r)
         return r >= 1 and b is not None and b in self._inputs
 
@@ -173,18 +160,6 @@ class FeatureGraphs:
         full = np.empty((2, n), dtype=np.int64)
         full[:, :t], full[:, t:] = ints, ints[:, :1]
         copy_to_device(self._ints[n], full)
-        self._replay(x, n)
-
-    def run_device(self, x: torch.Tensor, ints: torch.Tensor) -> None:
-        """:meth:`run` with (positions, pool rows) [2, T] already on the device."""
-        t = x.shape[0]
-        n = next((m for m in self.sizes if m >= t), None)
-        if n is None:
-            self.stats["eager_steps"] += 1
-            self.body(x, ints)
-            return
-        self._ints[n][:, :t].copy_(ints)
-        self._ints[n][:, t:].copy_(ints[:, :1].expand(2, n - t))
         self._replay(x, n)
 
     def _replay(self, x: torch.Tensor, n: int) -> None:
